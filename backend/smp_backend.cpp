@@ -1,0 +1,354 @@
+#include "smp_backend.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+#include "completion.h"
+#include "work.h"
+
+namespace smp {
+
+namespace {
+
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+at::Device deviceOf(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "smp: ", op,
+                    " was given no tensors; pass at least one tensor");
+  return tensors.front().device();
+}
+
+std::string label(const std::string& group, const char* transport) {
+  return "process group '" + group + "' (" + transport + ")";
+}
+
+}  // namespace
+
+SmpBackend::SmpBackend(int rank, int size,
+                       c10::intrusive_ptr<c10d::Backend> cpu,
+                       c10::intrusive_ptr<c10d::Backend> cuda,
+                       BackendConfig config)
+    : Backend(rank, size), config_(std::move(config)) {
+  TORCH_CHECK(cpu, "smp: the Gloo backend for CPU tensors is missing");
+  cpu_.backend = std::move(cpu);
+  cpu_.throttle = std::make_unique<Throttle>(
+      config_.cpu_limit, config_.timeout, label(config_.group_name, "cpu/gloo"),
+      "SMP_GLOO_THROTTLE_LIMIT");
+  cuda_.backend = std::move(cuda);
+  cuda_.throttle = std::make_unique<Throttle>(
+      config_.nccl_limit, config_.timeout,
+      label(config_.group_name, "cuda/nccl"), "SMP_NCCL_THROTTLE_LIMIT");
+}
+
+ThrottleStats SmpBackend::stats(c10::DeviceType device) {
+  TORCH_CHECK_VALUE(device == c10::kCPU || device == c10::kCUDA,
+                    "smp: statistics exist for 'cpu' and 'cuda', not '",
+                    c10::DeviceTypeName(device, true), "'");
+  return device == c10::kCPU ? cpu_.throttle->stats()
+                             : cuda_.throttle->stats();
+}
+
+c10::intrusive_ptr<c10d::Backend> SmpBackend::inner(c10::DeviceType device) {
+  return device == c10::kCUDA ? cuda_.backend : cpu_.backend;
+}
+
+SmpBackend::Route& SmpBackend::routeFor(const char* op,
+                                        const at::Device& device) {
+  if (device.is_cpu()) {
+    return cpu_;
+  }
+  TORCH_CHECK_VALUE(device.is_cuda(), "smp: ", op,
+                    " got a tensor on device '", device.str(),
+                    "'; the smp backend carries cpu and cuda tensors only");
+  TORCH_CHECK(cuda_.backend, "smp: ", op,
+              " got a CUDA tensor, but process group '", config_.group_name,
+              "' has no NCCL backend because CUDA was not available when the "
+              "group was created. Move the tensor to the CPU, or create the "
+              "group on a machine where torch.cuda.is_available().");
+  return cuda_;
+}
+
+std::shared_ptr<Completion> SmpBackend::completionFor(
+    const WorkPtr& work, const at::Device& device, bool asyncOp) {
+  if (device.is_cuda() && (!asyncOp || !work)) {
+    // Synchronous NCCL work runs on the current stream, maybe with no Work.
+    return completionOnCurrentStream(device);
+  }
+  return work ? std::make_shared<WorkCompletion>(work) : nullptr;
+}
+
+template <typename Call>
+WorkPtr SmpBackend::run(const char* op, const at::Device& device,
+                        bool asyncOp, Call&& call) {
+  Route& route = routeFor(op, device);
+  c10d::Backend& backend = *route.backend;
+  if (coalescing_ && device.is_cuda()) {
+    // NCCL enqueues the whole group at endCoalescing: throttled there.
+    if (!ncclCoalescing_) {
+      backend.startCoalescing();
+      ncclCoalescing_ = true;
+    }
+    return call(backend);
+  }
+  WorkPtr work;
+  try {
+    route.throttle->launch(op, [&] {
+      work = call(backend);
+      return completionFor(work, device, asyncOp);
+    });
+  } catch (c10::Error& e) {
+    e.add_context("smp: " + std::string(op) + " on " +
+                  route.throttle->label() + " failed");
+    throw;
+  }
+  if (!work) {
+    return work;
+  }
+  WorkPtr named =
+      c10::make_intrusive<NamedWork>(work, op, route.throttle->label());
+  if (coalescing_) {
+    coalescedCpuWorks_.push_back(named);
+  }
+  return named;
+}
+
+template <typename F>
+void SmpBackend::forEachInner(F&& f) {
+  f(*cpu_.backend);
+  if (cuda_.backend) {
+    f(*cuda_.backend);
+  }
+}
+
+// --- collectives -----------------------------------------------------------
+
+WorkPtr SmpBackend::broadcast(std::vector<at::Tensor>& tensors,
+                              const c10d::BroadcastOptions& opts) {
+  return run("broadcast", deviceOf(tensors, "broadcast"), opts.asyncOp,
+             [&](c10d::Backend& b) { return b.broadcast(tensors, opts); });
+}
+
+WorkPtr SmpBackend::allreduce(std::vector<at::Tensor>& tensors,
+                              const c10d::AllreduceOptions& opts) {
+  return run("all_reduce", deviceOf(tensors, "all_reduce"), opts.asyncOp,
+             [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
+}
+
+WorkPtr SmpBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  return run(
+      "all_reduce_coalesced", deviceOf(tensors, "all_reduce_coalesced"),
+      opts.asyncOp,
+      [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+}
+
+WorkPtr SmpBackend::reduce(std::vector<at::Tensor>& tensors,
+                           const c10d::ReduceOptions& opts) {
+  return run("reduce", deviceOf(tensors, "reduce"), opts.asyncOp,
+             [&](c10d::Backend& b) { return b.reduce(tensors, opts); });
+}
+
+WorkPtr SmpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                              std::vector<at::Tensor>& inputs,
+                              const c10d::AllgatherOptions& opts) {
+  return run("all_gather", deviceOf(inputs, "all_gather"), opts.asyncOp,
+             [&](c10d::Backend& b) {
+               return b.allgather(outputs, inputs, opts);
+             });
+}
+
+WorkPtr SmpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                    const c10d::AllgatherOptions& opts) {
+  return run("all_gather_into_tensor", input.device(), opts.asyncOp,
+             [&](c10d::Backend& b) {
+               return b._allgather_base(output, input, opts);
+             });
+}
+
+WorkPtr SmpBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  return run("all_gather_coalesced", deviceOf(inputs, "all_gather_coalesced"),
+             opts.asyncOp, [&](c10d::Backend& b) {
+               return b.allgather_coalesced(outputs, inputs, opts);
+             });
+}
+
+WorkPtr SmpBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return run("all_gather_into_tensor_coalesced",
+             deviceOf(inputs, "all_gather_into_tensor_coalesced"),
+             opts.asyncOp, [&](c10d::Backend& b) {
+               return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+             });
+}
+
+WorkPtr SmpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                           std::vector<at::Tensor>& inputs,
+                           const c10d::GatherOptions& opts) {
+  return run("gather", deviceOf(inputs, "gather"), opts.asyncOp,
+             [&](c10d::Backend& b) { return b.gather(outputs, inputs, opts); });
+}
+
+WorkPtr SmpBackend::scatter(std::vector<at::Tensor>& outputs,
+                            std::vector<std::vector<at::Tensor>>& inputs,
+                            const c10d::ScatterOptions& opts) {
+  return run(
+      "scatter", deviceOf(outputs, "scatter"), opts.asyncOp,
+      [&](c10d::Backend& b) { return b.scatter(outputs, inputs, opts); });
+}
+
+WorkPtr SmpBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return run("reduce_scatter", deviceOf(outputs, "reduce_scatter"),
+             opts.asyncOp, [&](c10d::Backend& b) {
+               return b.reduce_scatter(outputs, inputs, opts);
+             });
+}
+
+WorkPtr SmpBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  return run("reduce_scatter_tensor", input.device(), opts.asyncOp,
+             [&](c10d::Backend& b) {
+               return b._reduce_scatter_base(output, input, opts);
+             });
+}
+
+WorkPtr SmpBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return run("reduce_scatter_tensor_coalesced",
+             deviceOf(inputs, "reduce_scatter_tensor_coalesced"),
+             opts.asyncOp, [&](c10d::Backend& b) {
+               return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+             });
+}
+
+WorkPtr SmpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                  std::vector<int64_t>& outputSplits,
+                                  std::vector<int64_t>& inputSplits,
+                                  const c10d::AllToAllOptions& opts) {
+  return run("all_to_all_single", input.device(), opts.asyncOp,
+             [&](c10d::Backend& b) {
+               return b.alltoall_base(output, input, outputSplits,
+                                      inputSplits, opts);
+             });
+}
+
+WorkPtr SmpBackend::alltoall(std::vector<at::Tensor>& outputs,
+                             std::vector<at::Tensor>& inputs,
+                             const c10d::AllToAllOptions& opts) {
+  return run(
+      "all_to_all", deviceOf(inputs, "all_to_all"), opts.asyncOp,
+      [&](c10d::Backend& b) { return b.alltoall(outputs, inputs, opts); });
+}
+
+WorkPtr SmpBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+                         int tag) {
+  return run("send", deviceOf(tensors, "send"), /*asyncOp=*/true,
+             [&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); });
+}
+
+WorkPtr SmpBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                         int tag) {
+  return run("recv", deviceOf(tensors, "recv"), /*asyncOp=*/true,
+             [&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); });
+}
+
+WorkPtr SmpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return run(
+      "recv_anysource", deviceOf(tensors, "recv_anysource"), /*asyncOp=*/true,
+      [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
+}
+
+WorkPtr SmpBackend::barrier(const c10d::BarrierOptions& opts) {
+  // A barrier has no tensor: it runs where torch asked for it (the group's
+  // bound device or the current accelerator), falling back to Gloo.
+  const at::Device device =
+      opts.device.has_value() && opts.device->is_cuda() && hasCuda()
+          ? *opts.device
+          : at::Device(c10::kCPU);
+  return run("barrier", device, opts.asyncOp,
+             [&](c10d::Backend& b) { return b.barrier(opts); });
+}
+
+// --- coalescing ------------------------------------------------------------
+
+void SmpBackend::startCoalescing() {
+  TORCH_CHECK(!coalescing_,
+              "smp: startCoalescing called twice on process group '",
+              config_.group_name, "' without endCoalescing in between");
+  coalescing_ = true;
+  ncclCoalescing_ = false;
+  coalescedCpuWorks_.clear();
+}
+
+WorkPtr SmpBackend::endCoalescing() {
+  TORCH_CHECK(coalescing_, "smp: endCoalescing on process group '",
+              config_.group_name, "' without startCoalescing");
+  coalescing_ = false;
+  auto cpuWorks = std::move(coalescedCpuWorks_);
+  coalescedCpuWorks_.clear();
+  if (ncclCoalescing_) {
+    ncclCoalescing_ = false;
+    TORCH_CHECK(cpuWorks.empty(),
+                "smp: one coalesced batch mixed CPU and CUDA tensors on "
+                "process group '",
+                config_.group_name, "'; batch them separately per device");
+    WorkPtr work;
+    cuda_.throttle->launch("coalesced", [&] {
+      work = cuda_.backend->endCoalescing();
+      return work ? std::make_shared<WorkCompletion>(work) : nullptr;
+    });
+    if (!work) {
+      return work;
+    }
+    return c10::make_intrusive<NamedWork>(work, "coalesced",
+                                          cuda_.throttle->label());
+  }
+  return c10::make_intrusive<GroupWork>(std::move(cpuWorks));
+}
+
+// --- group management ------------------------------------------------------
+
+void SmpBackend::setTimeout(std::chrono::milliseconds timeout) {
+  forEachInner([&](c10d::Backend& b) { b.setTimeout(timeout); });
+}
+
+void SmpBackend::setGroupUid(const std::string& pg_uid) {
+  Backend::setGroupUid(pg_uid);
+  forEachInner([&](c10d::Backend& b) { b.setGroupUid(pg_uid); });
+}
+
+void SmpBackend::setBoundDeviceId(std::optional<at::Device> device) {
+  Backend::setBoundDeviceId(device);
+  if (cuda_.backend) {
+    cuda_.backend->setBoundDeviceId(device);
+  }
+}
+
+void SmpBackend::monitoredBarrier(const c10d::BarrierOptions& opts,
+                                  bool waitAllRanks) {
+  cpu_.backend->monitoredBarrier(opts, waitAllRanks);
+}
+
+uint64_t SmpBackend::getSequenceNumberForGroup() {
+  return cpu_.backend->getSequenceNumberForGroup();
+}
+
+void SmpBackend::abort() {
+  forEachInner([](c10d::Backend& b) { b.abort(); });
+}
+
+void SmpBackend::shutdown() {
+  forEachInner([](c10d::Backend& b) { b.shutdown(); });
+}
+
+}  // namespace smp

@@ -1,0 +1,113 @@
+#include "work.h"
+
+#include <c10/util/Exception.h>
+
+#include <stdexcept>
+#include <utility>
+
+namespace smp {
+
+NamedWork::NamedWork(c10::intrusive_ptr<c10d::Work> inner, const char* op,
+                     const std::string& label)
+    : inner_(std::move(inner)), op_(op), label_(label) {}
+
+template <typename F>
+auto NamedWork::named(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (c10::Error& e) {
+    // Keeps the error's Python type (RuntimeError, DistBackendError, ...).
+    e.add_context(std::string("smp: ") + op_ + " on " + label_ + " failed");
+    throw;
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("smp: ") + op_ + " on " + label_ +
+                             " failed: " + e.what());
+  }
+}
+
+bool NamedWork::isCompleted() {
+  return named([&] { return inner_->isCompleted(); });
+}
+
+bool NamedWork::isSuccess() const {
+  return inner_->isSuccess();
+}
+
+std::exception_ptr NamedWork::exception() const {
+  return inner_->exception();
+}
+
+int NamedWork::sourceRank() const {
+  return inner_->sourceRank();
+}
+
+std::vector<at::Tensor> NamedWork::result() {
+  return inner_->result();
+}
+
+void NamedWork::synchronize() {
+  named([&] { inner_->synchronize(); });
+}
+
+bool NamedWork::wait(std::chrono::milliseconds timeout) {
+  return named([&] { return inner_->wait(timeout); });
+}
+
+void NamedWork::abort() {
+  inner_->abort();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> NamedWork::getFuture() {
+  return inner_->getFuture();
+}
+
+float NamedWork::getDuration() const {
+  return inner_->getDuration();
+}
+
+uint64_t NamedWork::getSequencenumber() const {
+  return inner_->getSequencenumber();
+}
+
+GroupWork::GroupWork(std::vector<c10::intrusive_ptr<c10d::Work>> works)
+    : works_(std::move(works)) {}
+
+bool GroupWork::isCompleted() {
+  for (auto& work : works_) {
+    if (!work->isCompleted()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::exception_ptr GroupWork::exception() const {
+  for (const auto& work : works_) {
+    if (auto error = work->exception()) {
+      return error;
+    }
+  }
+  return nullptr;
+}
+
+void GroupWork::synchronize() {
+  for (auto& work : works_) {
+    work->synchronize();
+  }
+}
+
+bool GroupWork::wait(std::chrono::milliseconds timeout) {
+  bool all = true;
+  for (auto& work : works_) {
+    all = work->wait(timeout) && all;
+  }
+  return all;
+}
+
+void GroupWork::abort() {
+  for (auto& work : works_) {
+    work->abort();
+  }
+}
+
+}  // namespace smp

@@ -1,0 +1,127 @@
+"""Runs a test function on N real processes over a real process group.
+
+No mocks: every rank is a spawned Python process, the group is created over a
+FileStore, and collectives go through the smp backend (Gloo inside on CPU).
+A hang is a failure: the whole run has a deadline, a rank that fails makes the
+others be stopped shortly after, and every process is reaped before returning.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# After the first failing rank, how long the others get to report before they
+# are killed (they are usually stuck in a collective with the dead rank).
+_GRACE_SECONDS = 10.0
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _worker(fn, rank, world_size, init_file, env, init, group_timeout, hang_dump, args, results):
+    # A rank still running near the deadline prints where it is stuck.
+    faulthandler.dump_traceback_later(hang_dump, exit=False)
+    os.environ.update(env or {})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch.distributed as dist
+
+        import smp  # noqa: F401  (registers the backend)
+
+        if init:
+            dist.init_process_group(
+                "smp",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=group_timeout),
+            )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            if init and dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including assertion errors
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    init: bool = True,
+    timeout: float = 120.0,
+    group_timeout: float = 60.0,
+) -> list[Any]:
+    """Runs fn(rank, world_size, *args) on world_size processes; returns their results.
+
+    fn must be a module-level function (it is pickled by name). With init=True
+    the default group is an smp group; with init=False fn creates its own.
+    Raises RankFailure with every failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="smp-test-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, init_file, env, init, group_timeout, max(timeout - 5, 1), args, results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            outcomes = _collect(procs, results, world_size, timeout)
+        finally:
+            _reap(procs)
+    failures = {r: o for r, (ok, o) in outcomes.items() if not ok}
+    missing = sorted(set(range(world_size)) - set(outcomes))
+    if failures or missing:
+        lines = [f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())]
+        if missing:
+            lines.append(f"ranks {missing} did not report (hung or crashed; killed)")
+        raise RankFailure("\n".join(lines))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _collect(procs, results, world_size, timeout):
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size:
+        if any(not ok for ok, _ in outcomes.values()):
+            deadline = min(deadline, time.monotonic() + _GRACE_SECONDS)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 0.5))
+            outcomes[rank] = (ok, value)
+        except queue.Empty:
+            for rank, p in enumerate(procs):
+                if rank not in outcomes and p.exitcode not in (None, 0):
+                    outcomes[rank] = (False, f"process exited with code {p.exitcode}")
+    return outcomes
+
+
+def _reap(procs):
+    for p in procs:
+        p.join(timeout=5)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
