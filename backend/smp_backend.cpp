@@ -20,6 +20,18 @@ at::Device deviceOf(const std::vector<at::Tensor>& tensors, const char* op) {
   return tensors.front().device();
 }
 
+bool sameSizes(const std::vector<at::Tensor>& outputs,
+               const std::vector<at::Tensor>& inputs) {
+  for (const auto* list : {&outputs, &inputs}) {
+    for (const auto& t : *list) {
+      if (t.sizes() != inputs.front().sizes()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 std::string label(const std::string& group, const char* transport) {
   return "process group '" + group + "' (" + transport + ")";
 }
@@ -245,9 +257,58 @@ WorkPtr SmpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
 WorkPtr SmpBackend::alltoall(std::vector<at::Tensor>& outputs,
                              std::vector<at::Tensor>& inputs,
                              const c10d::AllToAllOptions& opts) {
+  const at::Device device = deviceOf(inputs, "all_to_all");
+  if (device.is_cpu() && !sameSizes(outputs, inputs)) {
+    return unevenAlltoallOnGloo(outputs, inputs, opts);
+  }
   return run(
       "all_to_all", deviceOf(inputs, "all_to_all"), opts.asyncOp,
       [&](c10d::Backend& b) { return b.alltoall(outputs, inputs, opts); });
+}
+
+// Gloo's list all_to_all needs equal sizes; NCCL's does not. On CPU, uneven
+// lists go through one flat all_to_all_single and are copied back into the
+// output list as soon as it completes (from Gloo's thread, via the future).
+WorkPtr SmpBackend::unevenAlltoallOnGloo(std::vector<at::Tensor>& outputs,
+                                         std::vector<at::Tensor>& inputs,
+                                         const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
+                    "smp: all_to_all needs one output per input, got ",
+                    outputs.size(), " outputs and ", inputs.size(), " inputs");
+  std::vector<at::Tensor> flatInputs;
+  std::vector<int64_t> inSplits;
+  std::vector<int64_t> outSplits;
+  int64_t outTotal = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK_VALUE(outputs[i].scalar_type() == inputs[0].scalar_type() &&
+                          inputs[i].scalar_type() == inputs[0].scalar_type(),
+                      "smp: all_to_all needs one dtype for all tensors");
+    flatInputs.push_back(inputs[i].reshape({-1}));
+    inSplits.push_back(inputs[i].numel());
+    outSplits.push_back(outputs[i].numel());
+    outTotal += outputs[i].numel();
+  }
+  at::Tensor flatIn = at::cat(flatInputs);
+  at::Tensor flatOut = at::empty({outTotal}, flatIn.options());
+  return run("all_to_all", flatIn.device(), opts.asyncOp,
+             [&](c10d::Backend& b) {
+               // Gloo consumes the split vectors: keep a copy for the copy-back.
+               std::vector<int64_t> sizes = outSplits;
+               WorkPtr flat =
+                   b.alltoall_base(flatOut, flatIn, outSplits, inSplits, opts);
+               auto copied = flat->getFuture()->then(
+                   [flatOut, flatIn, outputs, sizes](
+                       c10::ivalue::Future& done) {
+                     done.value();  // rethrows the transport's error
+                     auto pieces = flatOut.split_with_sizes(sizes);
+                     for (size_t i = 0; i < outputs.size(); ++i) {
+                       outputs[i].copy_(pieces[i].view(outputs[i].sizes()));
+                     }
+                     return c10::IValue(outputs);
+                   },
+                   c10::ListType::ofTensors());
+               return Work::create_from_future(copied);
+             });
 }
 
 WorkPtr SmpBackend::send(std::vector<at::Tensor>& tensors, int dstRank,

@@ -133,6 +133,9 @@ class SmpBackend : public c10d::Backend {
       bool asyncOp);
   template <typename F>
   void forEachInner(F&& f);
+  c10::intrusive_ptr<c10d::Work> unevenAlltoallOnGloo(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts);
 
   BackendConfig config_;
   Route cpu_;

@@ -50,7 +50,15 @@ void NamedWork::synchronize() {
 }
 
 bool NamedWork::wait(std::chrono::milliseconds timeout) {
-  return named([&] { return inner_->wait(timeout); });
+  return named([&] {
+    const bool done = inner_->wait(timeout);
+    // Future-backed work (torch's FutureWrappingWork) does not throw from
+    // wait() when its future failed; a failure must never pass silently.
+    if (auto error = inner_->exception()) {
+      std::rethrow_exception(error);
+    }
+    return done;
+  });
 }
 
 void NamedWork::abort() {

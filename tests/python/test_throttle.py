@@ -1,0 +1,157 @@
+"""The throttle end to end, over real process groups.
+
+On CPU the throttle is opt-in (SMP_GLOO_THROTTLE_LIMIT); the same C++ unit
+bounds NCCL work (SMP_NCCL_THROTTLE_LIMIT), which the CUDA test covers where a
+GPU exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import RankFailure, run_ranks
+
+N_OPS = 100
+NUMEL = 64 * 1024  # 256 KiB of float32: slow enough for a queue to build
+
+
+def many_async_all_reduces(rank, world_size):
+    import smp
+
+    tensors = [torch.full((NUMEL,), float(rank + i)) for i in range(N_OPS)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for w in works:
+        w.wait()
+    # Reference: sum over ranks of (rank + i) = i*W + W(W-1)/2.
+    for i, t in enumerate(tensors):
+        expected = float(i * world_size + world_size * (world_size - 1) // 2)
+        assert torch.equal(t, torch.full((NUMEL,), expected)), (i, t[:4])
+    return smp.backend_stats()["cpu"]
+
+
+def test_limit_bounds_outstanding_and_results_stay_right():
+    stats = run_ranks(many_async_all_reduces, 2, env={"SMP_GLOO_THROTTLE_LIMIT": "4"})
+    for s in stats:
+        assert s["limit"] == 4
+        assert s["launched"] == N_OPS
+        assert s["peak_outstanding"] <= 4
+        assert s["throttle_waits"] > 0
+        assert s["seconds_blocked"] > 0
+
+
+def test_disabled_lets_outstanding_grow_past_the_limit():
+    stats = run_ranks(many_async_all_reduces, 2, env={"SMP_GLOO_THROTTLE_LIMIT": "-1"})
+    for s in stats:
+        assert s["limit"] == -1
+        assert s["throttle_waits"] == 0
+    assert max(s["peak_outstanding"] for s in stats) > 4
+
+
+def init_expecting_error(rank, world_size, variable, init_file):
+    import smp  # noqa: F401
+
+    with pytest.raises(ValueError) as info:
+        dist.init_process_group(
+            "smp", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+    return str(info.value)
+
+
+@pytest.mark.parametrize("variable", ["SMP_NCCL_THROTTLE_LIMIT", "SMP_GLOO_THROTTLE_LIMIT"])
+@pytest.mark.parametrize("value", ["0", "abc", "-5"])
+def test_invalid_limit_is_rejected_when_the_group_is_created(variable, value):
+    with tempfile.TemporaryDirectory() as tmp:
+        (message,) = run_ranks(
+            init_expecting_error,
+            1,
+            variable,
+            os.path.join(tmp, "store"),
+            env={variable: value},
+            init=False,
+        )
+    assert f"{variable}='{value}'" in message
+    assert "positive integer" in message and "-1 to disable" in message
+
+
+def stuck_peer(rank, world_size, throttled):
+    """Rank 1 never joins; rank 0's all_reduce must fail by the group timeout, named."""
+    if rank == 1:
+        return "idle"
+    if throttled:
+        # The first op occupies the only slot; the second launch blocks on it
+        # in the throttle and must raise there when the first times out.
+        dist.all_reduce(torch.ones(4), async_op=True)
+        with pytest.raises(RuntimeError) as info:
+            dist.all_reduce(torch.ones(4), async_op=True)
+    else:
+        with pytest.raises(RuntimeError) as info:
+            dist.all_reduce(torch.ones(4))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("throttled", [False, True], ids=["plain", "throttled"])
+def test_timed_out_operation_raises_naming_op_and_group(throttled):
+    env = {"SMP_GLOO_THROTTLE_LIMIT": "1"} if throttled else {}
+    messages = run_ranks(stuck_peer, 2, throttled, env=env, group_timeout=3, timeout=60)
+    assert messages[1] == "idle"
+    assert "smp: all_reduce on process group '0' (cpu/gloo)" in messages[0], messages[0]
+
+
+def stats_of_foreign_group(rank, world_size):
+    import smp
+
+    gloo = dist.new_group([0, 1], backend="gloo")
+    with pytest.raises(ValueError, match="not 'smp'"):
+        smp.backend_stats(gloo)
+    return smp.backend_stats()["cpu"]["limit"]
+
+
+def test_backend_stats_rejects_groups_of_other_backends():
+    assert run_ranks(stats_of_foreign_group, 2) == [-1, -1]
+
+
+def test_harness_reports_a_hang_as_failure():
+    with pytest.raises(RankFailure, match="did not report"):
+        run_ranks(stuck_forever, 2, timeout=8, group_timeout=600)
+
+
+def stuck_forever(rank, world_size):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins, yet stays alive
+    else:
+        threading.Event().wait()
+
+
+def cuda_many_async(rank, world_size, limit):
+    import smp
+
+    torch.cuda.set_device(0)
+    tensors = [torch.full((1 << 20,), float(i), device="cuda") for i in range(200)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for w in works:
+        w.wait()
+    torch.cuda.synchronize()
+    for i, t in enumerate(tensors):
+        assert torch.equal(t, torch.full_like(t, float(i))), i
+    return smp.backend_stats()["cuda"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_nccl_throttle_world_size_1():
+    (limited,) = run_ranks(cuda_many_async, 1, 8, env={"SMP_NCCL_THROTTLE_LIMIT": "8"})
+    (free,) = run_ranks(cuda_many_async, 1, -1, env={"SMP_NCCL_THROTTLE_LIMIT": "-1"})
+    print(f"cuda throttle: limit 8 -> {limited}; disabled -> {free}")
+    assert limited["launched"] == 200 and limited["peak_outstanding"] <= 8
+    assert free["peak_outstanding"] > limited["peak_outstanding"]
+
+
+def test_smp_backend_is_registered_for_cpu_and_cuda():
+    import smp
+
+    assert smp.BACKEND_NAME == "smp"
+    assert dist.Backend.backend_capability["smp"] == ["cpu", "cuda"]
