@@ -41,9 +41,7 @@ class CMakeBuild(build_ext):
         if not (build_dir / "CMakeCache.txt").exists():
             subprocess.check_call(configure)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.check_call(
-            ["cmake", "--build", str(build_dir), "--target", ext.target, "-j", jobs]
-        )
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", ext.target, "-j", jobs])
         built = next(build_dir.glob("_C*.so"))
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 // Python bindings of the smp backend: the extension module smp._C.
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "smp_backend.h"
 #include "throttle.h"
@@ -36,15 +36,9 @@ class NoGilDestructor {
       impl_.reset();
     }
   }
-  T& operator*() const noexcept {
-    return *impl_;
-  }
-  T* operator->() const noexcept {
-    return impl_.get();
-  }
-  T* get() const noexcept {
-    return impl_.get();
-  }
+  T& operator*() const noexcept { return *impl_; }
+  T* operator->() const noexcept { return impl_.get(); }
+  T* get() const noexcept { return impl_.get(); }
 
  private:
   c10::intrusive_ptr<T> impl_;
@@ -81,14 +75,15 @@ c10::intrusive_ptr<SmpBackend> create(
     const std::string& group_name, double timeout_seconds) {
   BackendConfig config;
   config.group_name = group_name;
-  config.timeout = std::chrono::milliseconds(
-      static_cast<int64_t>(timeout_seconds * 1000.0));
+  config.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0));
   // Read when the group is created, so a bad value fails there.
-  config.nccl_limit = limitFromEnv("SMP_NCCL_THROTTLE_LIMIT", kDefaultNcclLimit);
+  config.nccl_limit =
+      limitFromEnv("SMP_NCCL_THROTTLE_LIMIT", kDefaultNcclLimit);
   config.cpu_limit = limitFromEnv("SMP_GLOO_THROTTLE_LIMIT", kDefaultCpuLimit);
   return c10::make_intrusive<SmpBackend>(
-      rank, size, std::move(cpu),
-      cuda.has_value() ? std::move(*cuda) : nullptr, std::move(config));
+      rank, size, std::move(cpu), cuda.has_value() ? std::move(*cuda) : nullptr,
+      std::move(config));
 }
 
 }  // namespace

@@ -37,8 +37,8 @@ bool pollUntil(std::chrono::milliseconds timeout,
   }
 }
 
-WorkCompletion::WorkCompletion(c10::intrusive_ptr<c10d::Work> work)
-    : work_(std::move(work)) {}
+WorkCompletion::WorkCompletion(c10::intrusive_ptr<c10d::Work> work, Block block)
+    : work_(std::move(work)), block_(block) {}
 
 bool WorkCompletion::poll() {
   if (!work_->isCompleted()) {
@@ -51,6 +51,9 @@ bool WorkCompletion::poll() {
 }
 
 bool WorkCompletion::wait(std::chrono::milliseconds timeout) {
+  if (block_ == Block::kWait) {
+    return work_->wait(timeout);  // throws on failure and on timeout
+  }
   return pollUntil(timeout, [this] { return poll(); });
 }
 
@@ -64,9 +67,7 @@ class EventCompletion : public Completion {
     event_.record(impl->getStream(device));
   }
 
-  bool poll() override {
-    return event_.query();
-  }
+  bool poll() override { return event_.query(); }
 
   bool wait(std::chrono::milliseconds timeout) override {
     return pollUntil(timeout, [this] { return event_.query(); });

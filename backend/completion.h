@@ -3,25 +3,31 @@
 // Adapters that let the throttle see torch's work handles and CUDA streams.
 
 #include <c10/core/Device.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <functional>
 #include <memory>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "throttle.h"
 
 namespace smp {
 
-// Polls a c10d::Work. Used for Gloo work (finished by Gloo's threads) and for
-// asynchronous NCCL work (isCompleted() queries its end event, never blocks).
+// Sees a c10d::Work. poll() asks isCompleted(). How to block differs:
+// - CPU (Gloo) work: Work::wait blocks the CPU, and some Gloo work
+// (torch 2.15's
+//   reduce_scatter) never reports isCompleted() at all, so it must be waited.
+// - asynchronous NCCL work: wait() only orders streams; isCompleted() queries
+//   the end event without blocking, so it is polled.
 class WorkCompletion : public Completion {
  public:
-  explicit WorkCompletion(c10::intrusive_ptr<c10d::Work> work);
+  enum class Block { kWait, kPoll };
+  WorkCompletion(c10::intrusive_ptr<c10d::Work> work, Block block);
   bool poll() override;
   bool wait(std::chrono::milliseconds timeout) override;
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
+  Block block_;
 };
 
 // Tracks work enqueued on the current stream of `device` by recording an event

@@ -58,8 +58,7 @@ ThrottleStats SmpBackend::stats(c10::DeviceType device) {
   TORCH_CHECK_VALUE(device == c10::kCPU || device == c10::kCUDA,
                     "smp: statistics exist for 'cpu' and 'cuda', not '",
                     c10::DeviceTypeName(device, true), "'");
-  return device == c10::kCPU ? cpu_.throttle->stats()
-                             : cuda_.throttle->stats();
+  return device == c10::kCPU ? cpu_.throttle->stats() : cuda_.throttle->stats();
 }
 
 c10::intrusive_ptr<c10d::Backend> SmpBackend::inner(c10::DeviceType device) {
@@ -71,8 +70,8 @@ SmpBackend::Route& SmpBackend::routeFor(const char* op,
   if (device.is_cpu()) {
     return cpu_;
   }
-  TORCH_CHECK_VALUE(device.is_cuda(), "smp: ", op,
-                    " got a tensor on device '", device.str(),
+  TORCH_CHECK_VALUE(device.is_cuda(), "smp: ", op, " got a tensor on device '",
+                    device.str(),
                     "'; the smp backend carries cpu and cuda tensors only");
   TORCH_CHECK(cuda_.backend, "smp: ", op,
               " got a CUDA tensor, but process group '", config_.group_name,
@@ -82,18 +81,24 @@ SmpBackend::Route& SmpBackend::routeFor(const char* op,
   return cuda_;
 }
 
-std::shared_ptr<Completion> SmpBackend::completionFor(
-    const WorkPtr& work, const at::Device& device, bool asyncOp) {
+std::shared_ptr<Completion> SmpBackend::completionFor(const WorkPtr& work,
+                                                      const at::Device& device,
+                                                      bool asyncOp) {
   if (device.is_cuda() && (!asyncOp || !work)) {
     // Synchronous NCCL work runs on the current stream, maybe with no Work.
     return completionOnCurrentStream(device);
   }
-  return work ? std::make_shared<WorkCompletion>(work) : nullptr;
+  if (!work) {
+    return nullptr;
+  }
+  return std::make_shared<WorkCompletion>(
+      work, device.is_cpu() ? WorkCompletion::Block::kWait
+                            : WorkCompletion::Block::kPoll);
 }
 
 template <typename Call>
-WorkPtr SmpBackend::run(const char* op, const at::Device& device,
-                        bool asyncOp, Call&& call) {
+WorkPtr SmpBackend::run(const char* op, const at::Device& device, bool asyncOp,
+                        Call&& call) {
   Route& route = routeFor(op, device);
   c10d::Backend& backend = *route.backend;
   if (coalescing_ && device.is_cuda()) {
@@ -101,26 +106,26 @@ WorkPtr SmpBackend::run(const char* op, const at::Device& device,
     if (!ncclCoalescing_) {
       backend.startCoalescing();
       ncclCoalescing_ = true;
+      coalescedCudaDevice_ = device;
     }
     return call(backend);
   }
-  WorkPtr work;
+  WorkPtr named;
   try {
     route.throttle->launch(op, [&] {
-      work = call(backend);
-      return completionFor(work, device, asyncOp);
+      WorkPtr work = call(backend);
+      if (work) {
+        named =
+            c10::make_intrusive<NamedWork>(work, op, route.throttle->label());
+      }
+      return completionFor(named, device, asyncOp);
     });
   } catch (c10::Error& e) {
-    e.add_context("smp: " + std::string(op) + " on " +
-                  route.throttle->label() + " failed");
+    e.add_context("smp: " + std::string(op) + " on " + route.throttle->label() +
+                  " failed");
     throw;
   }
-  if (!work) {
-    return work;
-  }
-  WorkPtr named =
-      c10::make_intrusive<NamedWork>(work, op, route.throttle->label());
-  if (coalescing_) {
+  if (named && coalescing_) {
     coalescedCpuWorks_.push_back(named);
   }
   return named;
@@ -151,10 +156,10 @@ WorkPtr SmpBackend::allreduce(std::vector<at::Tensor>& tensors,
 WorkPtr SmpBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  return run(
-      "all_reduce_coalesced", deviceOf(tensors, "all_reduce_coalesced"),
-      opts.asyncOp,
-      [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+  return run("all_reduce_coalesced", deviceOf(tensors, "all_reduce_coalesced"),
+             opts.asyncOp, [&](c10d::Backend& b) {
+               return b.allreduce_coalesced(tensors, opts);
+             });
 }
 
 WorkPtr SmpBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -166,18 +171,16 @@ WorkPtr SmpBackend::reduce(std::vector<at::Tensor>& tensors,
 WorkPtr SmpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                               std::vector<at::Tensor>& inputs,
                               const c10d::AllgatherOptions& opts) {
-  return run("all_gather", deviceOf(inputs, "all_gather"), opts.asyncOp,
-             [&](c10d::Backend& b) {
-               return b.allgather(outputs, inputs, opts);
-             });
+  return run(
+      "all_gather", deviceOf(inputs, "all_gather"), opts.asyncOp,
+      [&](c10d::Backend& b) { return b.allgather(outputs, inputs, opts); });
 }
 
 WorkPtr SmpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                     const c10d::AllgatherOptions& opts) {
-  return run("all_gather_into_tensor", input.device(), opts.asyncOp,
-             [&](c10d::Backend& b) {
-               return b._allgather_base(output, input, opts);
-             });
+  return run(
+      "all_gather_into_tensor", input.device(), opts.asyncOp,
+      [&](c10d::Backend& b) { return b._allgather_base(output, input, opts); });
 }
 
 WorkPtr SmpBackend::allgather_coalesced(
@@ -193,8 +196,8 @@ WorkPtr SmpBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return run("all_gather_into_tensor_coalesced",
-             deviceOf(inputs, "all_gather_into_tensor_coalesced"),
-             opts.asyncOp, [&](c10d::Backend& b) {
+             deviceOf(inputs, "all_gather_into_tensor_coalesced"), opts.asyncOp,
+             [&](c10d::Backend& b) {
                return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
              });
 }
@@ -214,10 +217,9 @@ WorkPtr SmpBackend::scatter(std::vector<at::Tensor>& outputs,
       [&](c10d::Backend& b) { return b.scatter(outputs, inputs, opts); });
 }
 
-WorkPtr SmpBackend::reduce_scatter(
-    std::vector<at::Tensor>& outputs,
-    std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+WorkPtr SmpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ReduceScatterOptions& opts) {
   return run("reduce_scatter", deviceOf(outputs, "reduce_scatter"),
              opts.asyncOp, [&](c10d::Backend& b) {
                return b.reduce_scatter(outputs, inputs, opts);
@@ -237,8 +239,8 @@ WorkPtr SmpBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   return run("reduce_scatter_tensor_coalesced",
-             deviceOf(inputs, "reduce_scatter_tensor_coalesced"),
-             opts.asyncOp, [&](c10d::Backend& b) {
+             deviceOf(inputs, "reduce_scatter_tensor_coalesced"), opts.asyncOp,
+             [&](c10d::Backend& b) {
                return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
              });
 }
@@ -247,11 +249,10 @@ WorkPtr SmpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                   std::vector<int64_t>& outputSplits,
                                   std::vector<int64_t>& inputSplits,
                                   const c10d::AllToAllOptions& opts) {
-  return run("all_to_all_single", input.device(), opts.asyncOp,
-             [&](c10d::Backend& b) {
-               return b.alltoall_base(output, input, outputSplits,
-                                      inputSplits, opts);
-             });
+  return run(
+      "all_to_all_single", input.device(), opts.asyncOp, [&](c10d::Backend& b) {
+        return b.alltoall_base(output, input, outputSplits, inputSplits, opts);
+      });
 }
 
 WorkPtr SmpBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -290,25 +291,24 @@ WorkPtr SmpBackend::unevenAlltoallOnGloo(std::vector<at::Tensor>& outputs,
   }
   at::Tensor flatIn = at::cat(flatInputs);
   at::Tensor flatOut = at::empty({outTotal}, flatIn.options());
-  return run("all_to_all", flatIn.device(), opts.asyncOp,
-             [&](c10d::Backend& b) {
-               // Gloo consumes the split vectors: keep a copy for the copy-back.
-               std::vector<int64_t> sizes = outSplits;
-               WorkPtr flat =
-                   b.alltoall_base(flatOut, flatIn, outSplits, inSplits, opts);
-               auto copied = flat->getFuture()->then(
-                   [flatOut, flatIn, outputs, sizes](
-                       c10::ivalue::Future& done) {
-                     done.value();  // rethrows the transport's error
-                     auto pieces = flatOut.split_with_sizes(sizes);
-                     for (size_t i = 0; i < outputs.size(); ++i) {
-                       outputs[i].copy_(pieces[i].view(outputs[i].sizes()));
-                     }
-                     return c10::IValue(outputs);
-                   },
-                   c10::ListType::ofTensors());
-               return Work::create_from_future(copied);
-             });
+  return run(
+      "all_to_all", flatIn.device(), opts.asyncOp, [&](c10d::Backend& b) {
+        // Gloo consumes the split vectors: keep a copy for the copy-back.
+        std::vector<int64_t> sizes = outSplits;
+        WorkPtr flat =
+            b.alltoall_base(flatOut, flatIn, outSplits, inSplits, opts);
+        auto copied = flat->getFuture()->then(
+            [flatOut, flatIn, outputs, sizes](c10::ivalue::Future& done) {
+              done.value();  // rethrows the transport's error
+              auto pieces = flatOut.split_with_sizes(sizes);
+              for (size_t i = 0; i < outputs.size(); ++i) {
+                outputs[i].copy_(pieces[i].view(outputs[i].sizes()));
+              }
+              return c10::IValue(outputs);
+            },
+            c10::ListType::ofTensors());
+        return Work::create_from_future(copied);
+      });
 }
 
 WorkPtr SmpBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
@@ -324,9 +324,9 @@ WorkPtr SmpBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
 }
 
 WorkPtr SmpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return run(
-      "recv_anysource", deviceOf(tensors, "recv_anysource"), /*asyncOp=*/true,
-      [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
+  return run("recv_anysource", deviceOf(tensors, "recv_anysource"),
+             /*asyncOp=*/true,
+             [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
 }
 
 WorkPtr SmpBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -363,16 +363,17 @@ WorkPtr SmpBackend::endCoalescing() {
                 "smp: one coalesced batch mixed CPU and CUDA tensors on "
                 "process group '",
                 config_.group_name, "'; batch them separately per device");
-    WorkPtr work;
+    WorkPtr named;
+    const at::Device device = coalescedCudaDevice_;
     cuda_.throttle->launch("coalesced", [&] {
-      work = cuda_.backend->endCoalescing();
-      return work ? std::make_shared<WorkCompletion>(work) : nullptr;
+      WorkPtr work = cuda_.backend->endCoalescing();
+      if (work) {
+        named = c10::make_intrusive<NamedWork>(work, "coalesced",
+                                               cuda_.throttle->label());
+      }
+      return completionFor(named, device, /*asyncOp=*/true);
     });
-    if (!work) {
-      return work;
-    }
-    return c10::make_intrusive<NamedWork>(work, "coalesced",
-                                          cuda_.throttle->label());
+    return named;
   }
   return c10::make_intrusive<GroupWork>(std::move(cpuWorks));
 }

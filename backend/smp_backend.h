@@ -5,11 +5,10 @@
 // NCCL backend (both built over the same store by the Python creator), with a
 // throttle on outstanding operations per device. No transport of its own.
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-
 #include <chrono>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "throttle.h"
@@ -30,14 +29,10 @@ class SmpBackend : public c10d::Backend {
   SmpBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> cpu,
              c10::intrusive_ptr<c10d::Backend> cuda, BackendConfig config);
 
-  const std::string getBackendName() const override {
-    return "smp";
-  }
+  const std::string getBackendName() const override { return "smp"; }
 
   ThrottleStats stats(c10::DeviceType device);
-  bool hasCuda() const {
-    return cuda_.backend != nullptr;
-  }
+  bool hasCuda() const { return cuda_.backend != nullptr; }
   c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType device);
 
   // --- collectives -------------------------------------------------------
@@ -86,8 +81,8 @@ class SmpBackend : public c10d::Backend {
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> alltoall_base(
-      at::Tensor& output, at::Tensor& input,
-      std::vector<int64_t>& outputSplits, std::vector<int64_t>& inputSplits,
+      at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+      std::vector<int64_t>& inputSplits,
       const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> alltoall(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -96,15 +91,13 @@ class SmpBackend : public c10d::Backend {
                                       int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors,
                                       int srcRank, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(
-      std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts) override;
 
   // --- coalescing (batch_isend_irecv) -------------------------------------
-  bool supportsCoalescing() const override {
-    return true;
-  }
+  bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -145,6 +138,7 @@ class SmpBackend : public c10d::Backend {
   // started lazily because startCoalescing() is not told the device.
   bool coalescing_ = false;
   bool ncclCoalescing_ = false;
+  at::Device coalescedCudaDevice_{c10::kCUDA};
   std::vector<c10::intrusive_ptr<c10d::Work>> coalescedCpuWorks_;
 };
 

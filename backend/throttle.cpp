@@ -19,7 +19,8 @@ int64_t parseThrottleLimit(const std::string& variable, const char* value,
   errno = 0;
   const long long parsed = std::strtoll(text.c_str(), &end, 10);
   // strtoll skips leading blanks; a setting with them is still rejected.
-  const bool whole = !text.empty() && (std::isdigit(text[0]) || text[0] == '-') &&
+  const bool whole = !text.empty() &&
+                     (std::isdigit(text[0]) || text[0] == '-') &&
                      end != nullptr && *end == '\0';
   if (whole && errno == 0 && (parsed > 0 || parsed == -1)) {
     return parsed;

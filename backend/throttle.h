@@ -72,8 +72,8 @@ class Throttle {
     std::shared_ptr<Completion> completion;
   };
 
-  void reapFinished();            // requires mu_
-  void waitForOldest();           // requires mu_
+  void reapFinished();   // requires mu_
+  void waitForOldest();  // requires mu_
   [[noreturn]] void rethrowFor(const Entry& entry);
 
   const int64_t limit_;

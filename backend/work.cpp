@@ -26,24 +26,16 @@ auto NamedWork::named(F&& f) -> decltype(f()) {
 }
 
 bool NamedWork::isCompleted() {
-  return named([&] { return inner_->isCompleted(); });
+  return waited_.load() || named([&] { return inner_->isCompleted(); });
 }
 
-bool NamedWork::isSuccess() const {
-  return inner_->isSuccess();
-}
+bool NamedWork::isSuccess() const { return inner_->isSuccess(); }
 
-std::exception_ptr NamedWork::exception() const {
-  return inner_->exception();
-}
+std::exception_ptr NamedWork::exception() const { return inner_->exception(); }
 
-int NamedWork::sourceRank() const {
-  return inner_->sourceRank();
-}
+int NamedWork::sourceRank() const { return inner_->sourceRank(); }
 
-std::vector<at::Tensor> NamedWork::result() {
-  return inner_->result();
-}
+std::vector<at::Tensor> NamedWork::result() { return inner_->result(); }
 
 void NamedWork::synchronize() {
   named([&] { inner_->synchronize(); });
@@ -57,21 +49,20 @@ bool NamedWork::wait(std::chrono::milliseconds timeout) {
     if (auto error = inner_->exception()) {
       std::rethrow_exception(error);
     }
+    if (done) {
+      waited_.store(true);
+    }
     return done;
   });
 }
 
-void NamedWork::abort() {
-  inner_->abort();
-}
+void NamedWork::abort() { inner_->abort(); }
 
 c10::intrusive_ptr<c10::ivalue::Future> NamedWork::getFuture() {
   return inner_->getFuture();
 }
 
-float NamedWork::getDuration() const {
-  return inner_->getDuration();
-}
+float NamedWork::getDuration() const { return inner_->getDuration(); }
 
 uint64_t NamedWork::getSequencenumber() const {
   return inner_->getSequencenumber();

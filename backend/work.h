@@ -2,16 +2,17 @@
 
 // Work handles the smp backend returns to callers.
 
-#include <torch/csrc/distributed/c10d/Work.hpp>
-
+#include <atomic>
 #include <string>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
 namespace smp {
 
 // Forwards to the inner backend's Work and names the operation and the group
 // in any error it raises, so a failure deep in Gloo or NCCL says which
-// collective of which group broke.
+// collective of which group broke. A successful wait() is remembered, so the
+// work reads as completed even where the inner work never says so.
 class NamedWork : public c10d::Work {
  public:
   NamedWork(c10::intrusive_ptr<c10d::Work> inner, const char* op,
@@ -36,6 +37,7 @@ class NamedWork : public c10d::Work {
   c10::intrusive_ptr<c10d::Work> inner_;
   const char* op_;
   std::string label_;
+  std::atomic<bool> waited_{false};
 };
 
 // The works of CPU operations issued between startCoalescing and

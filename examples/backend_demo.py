@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 
+import smp
 import torch
 import torch.distributed as dist
-
-import smp
 
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -3,7 +3,8 @@
 `import smp` registers the "smp" c10d backend with torch.distributed.
 """
 
-from smp._backend import BACKEND_NAME, backend_stats, register as _register_backend
+from smp._backend import BACKEND_NAME, backend_stats
+from smp._backend import register as _register_backend
 
 __version__ = "0.1.0"
 

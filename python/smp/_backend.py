@@ -72,9 +72,7 @@ def register() -> None:
     """Registers "smp" so init_process_group/new_group(backend="smp") work."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(
-        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
-    )
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
 
 
 def _smp_backend_of(group) -> _C.SmpBackend:

@@ -134,9 +134,7 @@ TEST(Throttle, ReleasesInFifoOrder) {
                                            launchFake(throttle)};
   // The younger op finishing does not free a slot: the oldest is waited on.
   ops[1]->finish();
-  auto blocked = std::async(std::launch::async, [&] {
-    launchFake(throttle);
-  });
+  auto blocked = std::async(std::launch::async, [&] { launchFake(throttle); });
   ASSERT_TRUE(ops[0]->awaitWaiter());
   EXPECT_EQ(ops[1]->waits(), 0);
   ops[0]->finish();
@@ -177,9 +175,7 @@ TEST(Throttle, DisabledNeverBlocks) {
 TEST(Throttle, FailedOperationReleasesSlotAndRaisesOnCaller) {
   Throttle throttle = makeThrottle(1);
   auto failing = launchFake(throttle);
-  auto blocked = std::async(std::launch::async, [&] {
-    launchFake(throttle);
-  });
+  auto blocked = std::async(std::launch::async, [&] { launchFake(throttle); });
   ASSERT_TRUE(failing->awaitWaiter());
   failing->finish("Connection closed by peer");
   ASSERT_EQ(blocked.wait_for(kHangGuard), std::future_status::ready);
@@ -270,9 +266,8 @@ TEST(Throttle, ManyLaunchersWithAsyncCompletionNeverDeadlockOrExceedLimit) {
   };
   auto a = std::async(std::launch::async, launcher);
   auto b = std::async(std::launch::async, launcher);
-  const bool finished =
-      a.wait_for(kHangGuard) == std::future_status::ready &&
-      b.wait_for(kHangGuard) == std::future_status::ready;
+  const bool finished = a.wait_for(kHangGuard) == std::future_status::ready &&
+                        b.wait_for(kHangGuard) == std::future_status::ready;
   {
     std::lock_guard<std::mutex> lock(mu);
     stop = true;

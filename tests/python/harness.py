@@ -34,9 +34,8 @@ def _worker(fn, rank, world_size, init_file, env, init, group_timeout, hang_dump
     os.environ.update(env or {})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        import torch.distributed as dist
-
         import smp  # noqa: F401  (registers the backend)
+        import torch.distributed as dist
 
         if init:
             dist.init_process_group(
@@ -78,7 +77,18 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, env, init, group_timeout, max(timeout - 5, 1), args, results),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    init_file,
+                    env,
+                    init,
+                    group_timeout,
+                    max(timeout - 5, 1),
+                    args,
+                    results,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -37,7 +37,9 @@ def expected_reduction(op, world_size, n, dtype, salt=0):
 
 
 def assert_equal(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=2e-2 if actual.dtype in (torch.bfloat16, torch.float16) else 1e-6, atol=0)
+    torch.testing.assert_close(
+        actual, expected, rtol=2e-2 if actual.dtype in (torch.bfloat16, torch.float16) else 1e-6, atol=0
+    )
 
 
 # --- reductions -------------------------------------------------------------
@@ -151,7 +153,12 @@ def check_all_to_all(rank, world_size):
         send = torch.arange(world_size * 3, dtype=dtype) + 100 * rank
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, async_op=True).wait()
-        expected = torch.cat([(torch.arange(world_size * 3, dtype=dtype) + 100 * s)[rank * 3 : rank * 3 + 3] for s in range(world_size)])
+        expected = torch.cat(
+            [
+                (torch.arange(world_size * 3, dtype=dtype) + 100 * s)[rank * 3 : rank * 3 + 3]
+                for s in range(world_size)
+            ]
+        )
         assert_equal(recv, expected)
 
         # List form, uneven sizes.
@@ -290,7 +297,7 @@ def check_subgroups(rank, world_size):
 def check_async_handles(rank, world_size):
     tensors = [make(rank, 1000, torch.float32, salt=i % 5) for i in range(50)]
     works = [dist.all_reduce(t, async_op=True) for t in tensors]
-    for i, (t, w) in enumerate(zip(tensors, works)):
+    for i, (t, w) in enumerate(zip(tensors, works, strict=True)):
         fut = w.get_future()
         w.wait()
         assert w.is_completed() and w.is_success() and w.exception() is None

@@ -52,13 +52,37 @@ def test_disabled_lets_outstanding_grow_past_the_limit():
     assert max(s["peak_outstanding"] for s in stats) > 4
 
 
+def mixed_async_ops(rank, world_size):
+    import smp
+
+    ones = torch.ones(world_size * 256)
+    outs = [torch.empty(256) for _ in range(40)]
+    works = []
+    for i, out in enumerate(outs):
+        # Gloo's reduce_scatter work never reports is_completed(); the throttle
+        # must still get its slot back (it blocks with wait() on CPU).
+        works.append(dist.reduce_scatter_tensor(out, ones * (i + 1), async_op=True))
+        works.append(dist.all_reduce(torch.ones(256), async_op=True))
+    for w in works:
+        w.wait()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, torch.full((256,), float(world_size * (i + 1))))
+    return smp.backend_stats()["cpu"]
+
+
+def test_every_op_kind_gives_its_slot_back():
+    stats = run_ranks(mixed_async_ops, 2, env={"SMP_GLOO_THROTTLE_LIMIT": "2"})
+    for s in stats:
+        assert s["launched"] == 80
+        assert s["peak_outstanding"] <= 2
+        assert s["outstanding"] == 0  # every waited op reads as finished
+
+
 def init_expecting_error(rank, world_size, variable, init_file):
     import smp  # noqa: F401
 
     with pytest.raises(ValueError) as info:
-        dist.init_process_group(
-            "smp", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group("smp", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     return str(info.value)
 
 
