@@ -45,13 +45,17 @@ SmpBackend::SmpBackend(int rank, int size,
     : Backend(rank, size), config_(std::move(config)) {
   TORCH_CHECK(cpu, "smp: the Gloo backend for CPU tensors is missing");
   cpu_.backend = std::move(cpu);
-  cpu_.throttle = std::make_unique<Throttle>(
-      config_.cpu_limit, config_.timeout, label(config_.group_name, "cpu/gloo"),
-      "SMP_GLOO_THROTTLE_LIMIT");
+  cpu_.label = std::make_shared<const std::string>(
+      label(config_.group_name, "cpu/gloo"));
+  cuda_.label = std::make_shared<const std::string>(
+      label(config_.group_name, "cuda/nccl"));
+  cpu_.throttle =
+      std::make_unique<Throttle>(config_.cpu_limit, config_.timeout,
+                                 *cpu_.label, "SMP_GLOO_THROTTLE_LIMIT");
   cuda_.backend = std::move(cuda);
-  cuda_.throttle = std::make_unique<Throttle>(
-      config_.nccl_limit, config_.timeout,
-      label(config_.group_name, "cuda/nccl"), "SMP_NCCL_THROTTLE_LIMIT");
+  cuda_.throttle =
+      std::make_unique<Throttle>(config_.nccl_limit, config_.timeout,
+                                 *cuda_.label, "SMP_NCCL_THROTTLE_LIMIT");
 }
 
 ThrottleStats SmpBackend::stats(c10::DeviceType device) {
@@ -115,8 +119,7 @@ WorkPtr SmpBackend::run(const char* op, const at::Device& device, bool asyncOp,
     route.throttle->launch(op, [&] {
       WorkPtr work = call(backend);
       if (work) {
-        named =
-            c10::make_intrusive<NamedWork>(work, op, route.throttle->label());
+        named = c10::make_intrusive<NamedWork>(work, op, route.label);
       }
       return completionFor(named, device, asyncOp);
     });
@@ -368,8 +371,7 @@ WorkPtr SmpBackend::endCoalescing() {
     cuda_.throttle->launch("coalesced", [&] {
       WorkPtr work = cuda_.backend->endCoalescing();
       if (work) {
-        named = c10::make_intrusive<NamedWork>(work, "coalesced",
-                                               cuda_.throttle->label());
+        named = c10::make_intrusive<NamedWork>(work, "coalesced", cuda_.label);
       }
       return completionFor(named, device, /*asyncOp=*/true);
     });

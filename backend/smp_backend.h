@@ -115,6 +115,7 @@ class SmpBackend : public c10d::Backend {
   struct Route {
     c10::intrusive_ptr<c10d::Backend> backend;
     std::unique_ptr<Throttle> throttle;
+    std::shared_ptr<const std::string> label;  // for the Work handed out
   };
 
   template <typename Call>

@@ -41,10 +41,7 @@ Throttle::Throttle(int64_t limit, std::chrono::milliseconds timeout,
   stats_.limit = limit_;
 }
 
-void Throttle::launch(
-    const char* op,
-    const std::function<std::shared_ptr<Completion>()>& launch) {
-  std::lock_guard<std::mutex> guard(mu_);
+void Throttle::admit() {
   reapFinished();
   if (enabled() && static_cast<int64_t>(outstanding_.size()) >= limit_) {
     const auto start = std::chrono::steady_clock::now();
@@ -63,7 +60,9 @@ void Throttle::launch(
       waitForOldest();
     }
   }
-  std::shared_ptr<Completion> completion = launch();
+}
+
+void Throttle::track(const char* op, std::shared_ptr<Completion> completion) {
   ++stats_.launched;
   if (completion) {
     outstanding_.push_back(Entry{op, std::move(completion)});

@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,8 +58,12 @@ class Throttle {
   // returns. A null completion means the operation finished synchronously.
   // A failed or timed-out outstanding operation gives up its slot and its
   // error is thrown here, naming the operation and the group.
-  void launch(const char* op,
-              const std::function<std::shared_ptr<Completion>()>& launch);
+  template <typename Launch>
+  void launch(const char* op, Launch&& launch) {
+    std::lock_guard<std::mutex> guard(mu_);  // admit and track as one step
+    admit();
+    track(op, launch());
+  }
 
   ThrottleStats stats();
   bool enabled() const { return limit_ > 0; }
@@ -72,8 +75,11 @@ class Throttle {
     std::shared_ptr<Completion> completion;
   };
 
-  void reapFinished();   // requires mu_
-  void waitForOldest();  // requires mu_
+  // All of these require mu_.
+  void admit();
+  void track(const char* op, std::shared_ptr<Completion> completion);
+  void reapFinished();
+  void waitForOldest();
   [[noreturn]] void rethrowFor(const Entry& entry);
 
   const int64_t limit_;

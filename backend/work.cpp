@@ -8,8 +8,8 @@
 namespace smp {
 
 NamedWork::NamedWork(c10::intrusive_ptr<c10d::Work> inner, const char* op,
-                     const std::string& label)
-    : inner_(std::move(inner)), op_(op), label_(label) {}
+                     std::shared_ptr<const std::string> label)
+    : inner_(std::move(inner)), op_(op), label_(std::move(label)) {}
 
 template <typename F>
 auto NamedWork::named(F&& f) -> decltype(f()) {
@@ -17,10 +17,10 @@ auto NamedWork::named(F&& f) -> decltype(f()) {
     return f();
   } catch (c10::Error& e) {
     // Keeps the error's Python type (RuntimeError, DistBackendError, ...).
-    e.add_context(std::string("smp: ") + op_ + " on " + label_ + " failed");
+    e.add_context(std::string("smp: ") + op_ + " on " + *label_ + " failed");
     throw;
   } catch (const std::exception& e) {
-    throw std::runtime_error(std::string("smp: ") + op_ + " on " + label_ +
+    throw std::runtime_error(std::string("smp: ") + op_ + " on " + *label_ +
                              " failed: " + e.what());
   }
 }

@@ -3,6 +3,7 @@
 // Work handles the smp backend returns to callers.
 
 #include <atomic>
+#include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
@@ -16,7 +17,7 @@ namespace smp {
 class NamedWork : public c10d::Work {
  public:
   NamedWork(c10::intrusive_ptr<c10d::Work> inner, const char* op,
-            const std::string& label);
+            std::shared_ptr<const std::string> label);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -36,7 +37,7 @@ class NamedWork : public c10d::Work {
 
   c10::intrusive_ptr<c10d::Work> inner_;
   const char* op_;
-  std::string label_;
+  std::shared_ptr<const std::string> label_;  // shared: no copy per op
   std::atomic<bool> waited_{false};
 };
 

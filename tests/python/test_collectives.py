@@ -312,3 +312,24 @@ def test_subgroups_from_new_group():
 @world_sizes
 def test_async_handles(world_size):
     run_ranks(check_async_handles, world_size)
+
+
+# --- explicit store ---------------------------------------------------------
+
+
+def check_explicit_store(rank, world_size, path):
+    import smp  # noqa: F401
+
+    store = dist.FileStore(path, world_size)
+    dist.init_process_group("smp", store=store, rank=rank, world_size=world_size)
+    try:
+        t = make(rank, 8, torch.float64)
+        dist.all_reduce(t)
+        assert_equal(t, expected_reduction(dist.ReduceOp.SUM, world_size, 8, torch.float64))
+        assert dist.get_backend() == "smp"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_with_an_explicit_store(tmp_path):
+    run_ranks(check_explicit_store, 2, str(tmp_path / "store"), init=False)
