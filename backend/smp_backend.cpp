@@ -82,6 +82,12 @@ SmpBackend::Route& SmpBackend::routeFor(const char* op,
               "' has no NCCL backend because CUDA was not available when the "
               "group was created. Move the tensor to the CPU, or create the "
               "group on a machine where torch.cuda.is_available().");
+  // torch binds the group to a device (init_process_group(device_id=...)) on
+  // this object; setBoundDeviceId is not virtual before torch 2.15, so it is
+  // passed on to NCCL here rather than by overriding it.
+  if (!cuda_.backend->getBoundDeviceId() && getBoundDeviceId()) {
+    cuda_.backend->setBoundDeviceId(getBoundDeviceId());
+  }
   return cuda_;
 }
 
@@ -389,13 +395,6 @@ void SmpBackend::setTimeout(std::chrono::milliseconds timeout) {
 void SmpBackend::setGroupUid(const std::string& pg_uid) {
   Backend::setGroupUid(pg_uid);
   forEachInner([&](c10d::Backend& b) { b.setGroupUid(pg_uid); });
-}
-
-void SmpBackend::setBoundDeviceId(std::optional<at::Device> device) {
-  Backend::setBoundDeviceId(device);
-  if (cuda_.backend) {
-    cuda_.backend->setBoundDeviceId(device);
-  }
 }
 
 void SmpBackend::monitoredBarrier(const c10d::BarrierOptions& opts,

@@ -104,7 +104,6 @@ class SmpBackend : public c10d::Backend {
   // --- group management, forwarded to the inner backends -------------------
   void setTimeout(std::chrono::milliseconds timeout) override;
   void setGroupUid(const std::string& pg_uid) override;
-  void setBoundDeviceId(std::optional<at::Device> device) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts,
                         bool waitAllRanks) override;
   uint64_t getSequenceNumberForGroup() override;
