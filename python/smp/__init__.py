@@ -1,13 +1,129 @@
 """smp: pipeline, tensor and sharded-optimizer parallelism for unmodified PyTorch models.
 
-`import smp` registers the "smp" c10d backend with torch.distributed.
+`import smp` registers the "smp" c10d backend with torch.distributed. The API mirrors
+SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 """
 
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
+from smp.comm import (
+    allgather,
+    barrier,
+    broadcast,
+    dp_barrier,
+    mp_barrier,
+    pp_barrier,
+    rdp_barrier,
+    recv_from,
+    send,
+    tp_barrier,
+)
+from smp.config import Config
+from smp.core import (
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_process_group,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    num_microbatches,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    size,
+    tp_rank,
+    tp_size,
+)
+from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
+from smp.topology import CommGroup, RankType, Topology
 
 __version__ = "0.1.0"
 
 _register_backend()
 
-__all__ = ["BACKEND_NAME", "__version__", "backend_stats"]
+WORLD = CommGroup.WORLD
+PP_GROUP = CommGroup.PP_GROUP
+TP_GROUP = CommGroup.TP_GROUP
+DP_GROUP = CommGroup.DP_GROUP
+RDP_GROUP = CommGroup.RDP_GROUP
+MP_GROUP = CommGroup.MP_GROUP
+WORLD_RANK = RankType.WORLD_RANK
+MP_RANK = RankType.MP_RANK
+DP_RANK = RankType.DP_RANK
+
+__all__ = [
+    "BACKEND_NAME",
+    "DP_GROUP",
+    "DP_RANK",
+    "MP_GROUP",
+    "MP_RANK",
+    "PP_GROUP",
+    "RDP_GROUP",
+    "TP_GROUP",
+    "WORLD",
+    "WORLD_RANK",
+    "CommGroup",
+    "Config",
+    "RankType",
+    "Topology",
+    "__version__",
+    "allgather",
+    "backend_stats",
+    "barrier",
+    "broadcast",
+    "data_loader",
+    "data_seed",
+    "dp_barrier",
+    "dp_rank",
+    "dp_size",
+    "get_dp_group",
+    "get_dp_process_group",
+    "get_mp_group",
+    "get_mp_process_group",
+    "get_pp_group",
+    "get_pp_process_group",
+    "get_rdp_group",
+    "get_rdp_process_group",
+    "get_tp_group",
+    "get_tp_process_group",
+    "get_world_process_group",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mp_barrier",
+    "mp_rank",
+    "mp_size",
+    "num_microbatches",
+    "pp_barrier",
+    "pp_rank",
+    "pp_size",
+    "rank",
+    "rdp_barrier",
+    "rdp_rank",
+    "rdp_size",
+    "recv_from",
+    "sampler",
+    "send",
+    "set_seed",
+    "size",
+    "tensor_parallel_seed",
+    "tp_barrier",
+    "tp_rank",
+    "tp_size",
+]

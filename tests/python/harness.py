@@ -13,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -28,11 +29,20 @@ class RankFailure(AssertionError):
     pass
 
 
-def _worker(fn, rank, world_size, init_file, env, init, group_timeout, hang_dump, args, results):
+def _worker(fn, rank, world_size, init_file, port, env, init, group_timeout, hang_dump, args, results):
     # A rank still running near the deadline prints where it is stuck.
     faulthandler.dump_traceback_later(hang_dump, exit=False)
     os.environ.update(env or {})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # As torchrun sets them, so code under test may use env:// (smp.init does).
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         import smp  # noqa: F401  (registers the backend)
         import torch.distributed as dist
@@ -67,13 +77,15 @@ def run_ranks(
     """Runs fn(rank, world_size, *args) on world_size processes; returns their results.
 
     fn must be a module-level function (it is pickled by name). With init=True
-    the default group is an smp group; with init=False fn creates its own.
+    the default group is an smp group; with init=False fn creates its own, and
+    finds torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) set.
     Raises RankFailure with every failing rank's traceback.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="smp-test-") as tmp:
         init_file = os.path.join(tmp, "store")
+        port = _free_port()
         procs = [
             ctx.Process(
                 target=_worker,
@@ -82,6 +94,7 @@ def run_ranks(
                     rank,
                     world_size,
                     init_file,
+                    port,
                     env,
                     init,
                     group_timeout,
@@ -107,6 +120,12 @@ def run_ranks(
             lines.append(f"ranks {missing} did not report (hung or crashed; killed)")
         raise RankFailure("\n".join(lines))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _collect(procs, results, world_size, timeout):

@@ -1,0 +1,207 @@
+"""smp configuration: SMP v1's parameters, their defaults, and validation.
+
+A config comes as a dict to `smp.init(config)`, as JSON in the environment variable
+SMP_CONFIG (or SM_HP_MP_PARAMETERS, where SageMaker put it for SMP v1), or both:
+the explicit dict wins key by key. Every mistake is a ValueError that names the key,
+the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+ENV_VARS = ("SMP_CONFIG", "SM_HP_MP_PARAMETERS")
+PLACEMENT_ALIASES = {"cluster": "DPT", "spread": "TPD"}
+PLACEMENT_ORDERS = tuple("".join(p) for p in itertools.permutations("DPT"))
+
+# SMP v1 keys that configured its SageMaker/Horovod plumbing; they do nothing
+# here and are accepted so v1 configs keep working.
+LEGACY_NO_OP_KEYS = ("ddp_port", "ddp_dist_backend", "contiguous", "horovod", "predefined_hooks")
+ALIASES = {"partitions": "pipeline_parallel_degree"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The validated configuration (see docs: every SMP v1 parameter, same defaults)."""
+
+    pipeline_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    active_microbatches: int | None = None  # None: pp + 2, capped at microbatches
+    prescaled_batch: bool = False
+    shard_optimizer_state: bool = False
+    placement_strategy: str = "cluster"
+    auto_partition: bool = True
+    default_partition: int = 0
+    memory_weight: float = 0.8
+    optimize: str = "speed"
+    ddp: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    offload_activations: bool = False
+    activation_loading_horizon: int = 4
+    delayed_parameter_initialization: bool = False
+    tensor_parallel_seed: int = 0
+    skip_tracing: bool = False
+    sharded_data_parallel_degree: int = 1
+
+    @property
+    def placement_order(self) -> str:
+        """The layout as a permutation of D, P, T (rightmost varies fastest)."""
+        return PLACEMENT_ALIASES.get(self.placement_strategy, self.placement_strategy)
+
+    @property
+    def num_active_microbatches(self) -> int:
+        if self.active_microbatches is not None:
+            return self.active_microbatches
+        return min(self.pipeline_parallel_degree + 2, self.microbatches)
+
+    def check_world(self, world_size: int, local_size: int | None = None) -> None:
+        """Checks the layout against the processes there are; warns where SMP's advice applies."""
+        pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
+        if world_size % (pp * tp):
+            raise ValueError(
+                f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
+                f"({pp}) x tensor_parallel_degree ({tp}) = {pp * tp}; launch a multiple of {pp * tp} "
+                "processes or change the degrees"
+            )
+        if local_size is not None and tp > local_size:
+            warnings.warn(
+                f"smp config: tensor_parallel_degree={tp} is larger than the {local_size} processes "
+                "per node, so tensor parallelism crosses nodes and its activations travel between "
+                "them; keep tensor_parallel_degree <= processes per node and use pipeline "
+                "parallelism across nodes",
+                stacklevel=3,
+            )
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_CHOICES = {"pipeline": ("interleaved", "simple"), "optimize": ("speed", "memory")}
+_POSITIVE_INTS = (
+    "pipeline_parallel_degree",
+    "tensor_parallel_degree",
+    "microbatches",
+    "activation_loading_horizon",
+    "sharded_data_parallel_degree",
+)
+
+
+def from_env() -> dict[str, Any]:
+    """The config held as JSON in SMP_CONFIG (or SM_HP_MP_PARAMETERS), else {}."""
+    for var in ENV_VARS:
+        text = os.environ.get(var)
+        if text:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"smp config: {var} is not valid JSON ({e}); set it to a JSON object") from e
+            if not isinstance(value, dict):
+                raise ValueError(f"smp config: {var} must hold a JSON object, got {type(value).__name__}")
+            return value
+    return {}
+
+
+def parse(config: Mapping[str, Any] | None = None) -> Config:
+    """Merges the environment's config with `config` (which wins) and validates it."""
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(f"smp config must be a dict, got {type(config).__name__}: {config!r}")
+    merged = {**from_env(), **(config or {})}
+    values: dict[str, Any] = {}
+    for key, value in merged.items():
+        name = ALIASES.get(key, key)
+        if name in LEGACY_NO_OP_KEYS:
+            warnings.warn(f"smp config: '{key}' configured SMP v1's plumbing and has no effect", stacklevel=3)
+            continue
+        if name not in _FIELDS:
+            raise ValueError(_unknown_key_message(key))
+        if name in values and values[name] != value:
+            raise ValueError(
+                f"smp config: 'partitions' ({merged.get('partitions')!r}) and "
+                f"'pipeline_parallel_degree' ({merged.get('pipeline_parallel_degree')!r}) disagree; "
+                "set only one of them"
+            )
+        values[name] = _check_value(name, value)
+    return _check_combination(Config(**values))
+
+
+def _unknown_key_message(key: str) -> str:
+    known = sorted([*_FIELDS, *ALIASES])
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(_FIELDS))}"
+    return f"smp config: unknown key '{key}'{hint}"
+
+
+def _type_error(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"smp config: '{name}' must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _check_value(name: str, value: Any) -> Any:
+    default = _FIELDS[name].default
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise _type_error(name, value, "true or false")
+        return value
+    if name == "memory_weight":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(name, value, "a number in [0, 1]")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"smp config: 'memory_weight' must be in [0, 1], got {value!r}")
+        return float(value)
+    if name == "placement_strategy":
+        if value not in PLACEMENT_ALIASES and value not in PLACEMENT_ORDERS:
+            raise ValueError(
+                f"smp config: 'placement_strategy' must be 'cluster', 'spread' or a permutation of "
+                f"'DPT' ({', '.join(PLACEMENT_ORDERS)}), got {value!r}"
+            )
+        return value
+    if name in _CHOICES:
+        if value not in _CHOICES[name]:
+            choices = " or ".join(repr(c) for c in _CHOICES[name])
+            raise ValueError(f"smp config: '{name}' must be {choices}, got {value!r}")
+        return value
+    # The remaining fields are integers.
+    if value is None and name == "active_microbatches":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, value, "an integer")
+    if (name in _POSITIVE_INTS or name == "active_microbatches") and value < 1:
+        raise ValueError(f"smp config: '{name}' must be a positive integer, got {value!r}")
+    if name == "default_partition" and value < 0:
+        raise ValueError(f"smp config: 'default_partition' must be >= 0, got {value!r}")
+    return value
+
+
+def _check_combination(config: Config) -> Config:
+    pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
+    if config.fp16 and config.bf16:
+        raise ValueError("smp config: 'fp16' and 'bf16' are both true; choose one half-precision type")
+    if config.active_microbatches is not None and config.active_microbatches > config.microbatches:
+        raise ValueError(
+            f"smp config: active_microbatches ({config.active_microbatches}) exceeds microbatches "
+            f"({config.microbatches}); set active_microbatches <= microbatches"
+        )
+    if config.default_partition >= pp:
+        raise ValueError(
+            f"smp config: default_partition ({config.default_partition}) must be in [0, "
+            f"pipeline_parallel_degree) = [0, {pp}); set it to a stage index below {pp}"
+        )
+    if config.sharded_data_parallel_degree != 1:
+        raise ValueError(
+            f"smp config: sharded_data_parallel_degree={config.sharded_data_parallel_degree} is not "
+            "supported; use shard_optimizer_state=True to shard optimizer state across data-parallel ranks"
+        )
+    if tp & (tp - 1):
+        warnings.warn(
+            f"smp config: tensor_parallel_degree={tp} is not a power of two; SMP recommends 2, 4 or 8 "
+            "(at most the GPUs per node) for efficient collectives",
+            stacklevel=3,
+        )
+    return config

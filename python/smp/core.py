@@ -1,0 +1,240 @@
+"""smp.init, the process state it builds, and the rank and group helpers of SMP v1."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp import config as config_lib
+from smp._backend import BACKEND_NAME
+from smp.topology import CommGroup, Topology
+
+
+@dataclasses.dataclass
+class _State:
+    config: config_lib.Config
+    topology: Topology
+    rank: int
+    local_rank: int
+    local_size: int
+    process_groups: dict[CommGroup, dist.ProcessGroup]
+    # A world group of its own for object messaging, so it never interleaves with
+    # the user's point-to-point traffic on the default group.
+    messaging_group: dist.ProcessGroup
+
+
+_state: _State | None = None
+
+
+def init(config: Mapping[str, Any] | None = None) -> None:
+    """Validates the config, initializes torch.distributed (backend "smp") if needed, builds the groups.
+
+    Under torchrun the process group comes from env://. Started as a plain single
+    process (no RANK in the environment), smp runs as a world of one.
+    """
+    global _state
+    cfg = config_lib.parse(config)
+    if _state is not None:
+        if cfg != _state.config:
+            raise RuntimeError(
+                "smp.init() was already called with a different config; call it once per process"
+            )
+        return
+    _init_process_group()
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cfg.check_world(world_size, local_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    topology = Topology(
+        world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_order
+    )
+    groups = {CommGroup.WORLD: dist.group.WORLD}
+    for kind in CommGroup:
+        if kind is not CommGroup.WORLD:
+            groups[kind] = _new_groups(topology, kind, rank)
+    messaging = dist.new_group(list(range(world_size)), backend=BACKEND_NAME)
+    _state = _State(cfg, topology, rank, local_rank, local_size, groups, messaging)
+
+
+def _init_process_group() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        # Plain `python script.py`: a world of one over a free local port.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    dist.init_process_group(backend=BACKEND_NAME)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _new_groups(topology: Topology, kind: CommGroup, rank: int) -> dist.ProcessGroup:
+    """Creates every group of this kind (a collective call: every rank creates all) and returns ours."""
+    mine = None
+    for ranks in topology.all_groups(kind):
+        group = dist.new_group(ranks, backend=BACKEND_NAME)
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def state() -> _State:
+    if _state is None:
+        raise RuntimeError("smp is not initialized: call smp.init(config) first")
+    return _state
+
+
+def _reset_for_tests() -> None:
+    global _state
+    _state = None
+
+
+# --- ranks -------------------------------------------------------------------
+
+
+def _group_rank(kind: CommGroup) -> int:
+    s = state()
+    return s.topology.group_rank(kind, s.rank)
+
+
+def _group_size(kind: CommGroup) -> int:
+    return state().topology.group_size(kind)
+
+
+def rank() -> int:
+    return state().rank
+
+
+def size() -> int:
+    return state().topology.world_size
+
+
+def local_rank() -> int:
+    return state().local_rank
+
+
+def local_size() -> int:
+    return state().local_size
+
+
+def pp_rank() -> int:
+    return _group_rank(CommGroup.PP_GROUP)
+
+
+def pp_size() -> int:
+    return _group_size(CommGroup.PP_GROUP)
+
+
+def tp_rank() -> int:
+    return _group_rank(CommGroup.TP_GROUP)
+
+
+def tp_size() -> int:
+    return _group_size(CommGroup.TP_GROUP)
+
+
+def dp_rank() -> int:
+    return _group_rank(CommGroup.DP_GROUP)
+
+
+def dp_size() -> int:
+    return _group_size(CommGroup.DP_GROUP)
+
+
+def rdp_rank() -> int:
+    return _group_rank(CommGroup.RDP_GROUP)
+
+
+def rdp_size() -> int:
+    return _group_size(CommGroup.RDP_GROUP)
+
+
+def mp_rank() -> int:
+    return _group_rank(CommGroup.MP_GROUP)
+
+
+def mp_size() -> int:
+    return _group_size(CommGroup.MP_GROUP)
+
+
+def num_microbatches() -> int:
+    return state().config.microbatches
+
+
+# --- groups ------------------------------------------------------------------
+
+
+def _ranks(kind: CommGroup) -> list[int]:
+    s = state()
+    return s.topology.group_ranks(kind, s.rank)
+
+
+def get_pp_group() -> list[int]:
+    return _ranks(CommGroup.PP_GROUP)
+
+
+def get_tp_group() -> list[int]:
+    return _ranks(CommGroup.TP_GROUP)
+
+
+def get_dp_group() -> list[int]:
+    return _ranks(CommGroup.DP_GROUP)
+
+
+def get_rdp_group() -> list[int]:
+    return _ranks(CommGroup.RDP_GROUP)
+
+
+def get_mp_group() -> list[int]:
+    return _ranks(CommGroup.MP_GROUP)
+
+
+def process_group(kind: CommGroup) -> dist.ProcessGroup:
+    if not isinstance(kind, CommGroup):
+        raise ValueError(f"expected an smp.CommGroup (e.g. smp.TP_GROUP), got {kind!r}")
+    return state().process_groups[kind]
+
+
+def get_world_process_group() -> dist.ProcessGroup:
+    return process_group(CommGroup.WORLD)
+
+
+def get_pp_process_group() -> dist.ProcessGroup:
+    return process_group(CommGroup.PP_GROUP)
+
+
+def get_tp_process_group() -> dist.ProcessGroup:
+    return process_group(CommGroup.TP_GROUP)
+
+
+def get_dp_process_group() -> dist.ProcessGroup:
+    return process_group(CommGroup.DP_GROUP)
+
+
+def get_rdp_process_group() -> dist.ProcessGroup:
+    return process_group(CommGroup.RDP_GROUP)
+
+
+def get_mp_process_group() -> dist.ProcessGroup:
+    return process_group(CommGroup.MP_GROUP)
