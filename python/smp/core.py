@@ -110,16 +110,7 @@ def _reset_for_tests() -> None:
     _state = None
 
 
-# --- ranks -------------------------------------------------------------------
-
-
-def _group_rank(kind: CommGroup) -> int:
-    s = state()
-    return s.topology.group_rank(kind, s.rank)
-
-
-def _group_size(kind: CommGroup) -> int:
-    return state().topology.group_size(kind)
+# --- ranks and groups ----------------------------------------------------------
 
 
 def rank() -> int:
@@ -138,79 +129,12 @@ def local_size() -> int:
     return state().local_size
 
 
-def pp_rank() -> int:
-    return _group_rank(CommGroup.PP_GROUP)
-
-
-def pp_size() -> int:
-    return _group_size(CommGroup.PP_GROUP)
-
-
-def tp_rank() -> int:
-    return _group_rank(CommGroup.TP_GROUP)
-
-
-def tp_size() -> int:
-    return _group_size(CommGroup.TP_GROUP)
-
-
-def dp_rank() -> int:
-    return _group_rank(CommGroup.DP_GROUP)
-
-
-def dp_size() -> int:
-    return _group_size(CommGroup.DP_GROUP)
-
-
-def rdp_rank() -> int:
-    return _group_rank(CommGroup.RDP_GROUP)
-
-
-def rdp_size() -> int:
-    return _group_size(CommGroup.RDP_GROUP)
-
-
-def mp_rank() -> int:
-    return _group_rank(CommGroup.MP_GROUP)
-
-
-def mp_size() -> int:
-    return _group_size(CommGroup.MP_GROUP)
-
-
 def num_microbatches() -> int:
     return state().config.microbatches
 
 
-# --- groups ------------------------------------------------------------------
-
-
-def _ranks(kind: CommGroup) -> list[int]:
-    s = state()
-    return s.topology.group_ranks(kind, s.rank)
-
-
-def get_pp_group() -> list[int]:
-    return _ranks(CommGroup.PP_GROUP)
-
-
-def get_tp_group() -> list[int]:
-    return _ranks(CommGroup.TP_GROUP)
-
-
-def get_dp_group() -> list[int]:
-    return _ranks(CommGroup.DP_GROUP)
-
-
-def get_rdp_group() -> list[int]:
-    return _ranks(CommGroup.RDP_GROUP)
-
-
-def get_mp_group() -> list[int]:
-    return _ranks(CommGroup.MP_GROUP)
-
-
 def process_group(kind: CommGroup) -> dist.ProcessGroup:
+    """The torch process group of this rank's group of that kind (backend "smp")."""
     if not isinstance(kind, CommGroup):
         raise ValueError(f"expected an smp.CommGroup (e.g. smp.TP_GROUP), got {kind!r}")
     return state().process_groups[kind]
@@ -220,21 +144,40 @@ def get_world_process_group() -> dist.ProcessGroup:
     return process_group(CommGroup.WORLD)
 
 
-def get_pp_process_group() -> dist.ProcessGroup:
-    return process_group(CommGroup.PP_GROUP)
+def _helpers(kind: CommGroup, name: str):
+    """SMP v1's helpers of one group kind: {name}_rank, {name}_size, get_{name}_group and
+    get_{name}_process_group."""
+
+    def group_rank() -> int:
+        s = state()
+        return s.topology.group_rank(kind, s.rank)
+
+    def group_size() -> int:
+        return state().topology.group_size(kind)
+
+    def group_ranks() -> list[int]:
+        s = state()
+        return s.topology.group_ranks(kind, s.rank)
+
+    def torch_group() -> dist.ProcessGroup:
+        return process_group(kind)
+
+    helpers = (group_rank, group_size, group_ranks, torch_group)
+    names = (f"{name}_rank", f"{name}_size", f"get_{name}_group", f"get_{name}_process_group")
+    docs = (
+        f"This rank's index in its {kind.name} (position among the group's ranks, ascending).",
+        f"The number of ranks in a {kind.name}.",
+        f"The global ranks of this rank's {kind.name}, ascending.",
+        f"The torch process group of this rank's {kind.name}.",
+    )
+    for fn, fn_name, doc in zip(helpers, names, docs, strict=True):
+        fn.__name__ = fn.__qualname__ = fn_name
+        fn.__doc__ = doc
+    return helpers
 
 
-def get_tp_process_group() -> dist.ProcessGroup:
-    return process_group(CommGroup.TP_GROUP)
-
-
-def get_dp_process_group() -> dist.ProcessGroup:
-    return process_group(CommGroup.DP_GROUP)
-
-
-def get_rdp_process_group() -> dist.ProcessGroup:
-    return process_group(CommGroup.RDP_GROUP)
-
-
-def get_mp_process_group() -> dist.ProcessGroup:
-    return process_group(CommGroup.MP_GROUP)
+pp_rank, pp_size, get_pp_group, get_pp_process_group = _helpers(CommGroup.PP_GROUP, "pp")
+tp_rank, tp_size, get_tp_group, get_tp_process_group = _helpers(CommGroup.TP_GROUP, "tp")
+dp_rank, dp_size, get_dp_group, get_dp_process_group = _helpers(CommGroup.DP_GROUP, "dp")
+rdp_rank, rdp_size, get_rdp_group, get_rdp_process_group = _helpers(CommGroup.RDP_GROUP, "rdp")
+mp_rank, mp_size, get_mp_group, get_mp_process_group = _helpers(CommGroup.MP_GROUP, "mp")

@@ -79,6 +79,8 @@ def run_ranks(
     fn must be a module-level function (it is pickled by name). With init=True
     the default group is an smp group; with init=False fn creates its own, and
     finds torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) set.
+    Results travel through a multiprocessing queue: return plain Python values
+    (tensor.tolist()), not tensors, whose shared memory dies with the rank.
     Raises RankFailure with every failing rank's traceback.
     """
     ctx = mp.get_context("spawn")
@@ -108,10 +110,11 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
+        outcomes: dict[int, tuple[bool, Any]] = {}
         try:
             outcomes = _collect(procs, results, world_size, timeout)
         finally:
-            _reap(procs)
+            _reap(procs, reported=set(outcomes))
     failures = {r: o for r, (ok, o) in outcomes.items() if not ok}
     missing = sorted(set(range(world_size)) - set(outcomes))
     if failures or missing:
@@ -147,10 +150,14 @@ def _collect(procs, results, world_size, timeout):
     return outcomes
 
 
-def _reap(procs):
+def _reap(procs, reported):
+    # Ranks that never reported are hung or dead: kill them at once. The others
+    # are finishing their teardown and get a moment to exit cleanly.
+    for rank, p in enumerate(procs):
+        if rank not in reported and p.is_alive():
+            p.kill()
     for p in procs:
         p.join(timeout=5)
-    for p in procs:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)

@@ -160,7 +160,16 @@ def check_data_helpers(rank, world, prescaled):
     assert all(len(b) == 4 for b in seen)  # drop_last: every batch divides by microbatches
     with pytest.raises(ValueError, match="batch size 5 does not divide by microbatches=2"):
         smp.data_loader(dataset, batch_size=5)
-    return {"seen": seen, "dp": smp.dp_rank(), "rdp": smp.rdp_rank(), "data_seed": smp.data_seed(100)}
+    assert smp.tensor_parallel_seed() == 0 + smp.tp_rank()  # tensor_parallel_seed defaults to 0
+    smp.set_seed(5)
+    weights = torch.nn.Linear(3, 3).weight.detach().tolist()  # no tensors through queues
+    return {
+        "seen": seen,
+        "dp": smp.dp_rank(),
+        "rdp": smp.rdp_rank(),
+        "data_seed": smp.data_seed(100),
+        "weights": weights,
+    }
 
 
 @pytest.mark.parametrize("prescaled", [False, True], ids=["per-tp-rank", "prescaled"])
@@ -180,4 +189,6 @@ def test_data_loader_shards_by_replica(prescaled):
     # Pipeline stages of one replica agree; with prescaled the TP group agrees too.
     assert out[0]["seen"] == out[2]["seen"]
     assert (out[0]["seen"] == out[1]["seen"]) is prescaled
-    assert out[0]["data_seed"] == 100 + out[0][key]
+    assert [o["data_seed"] for o in out] == [100 + o[key] for o in out]
+    # set_seed makes every rank build the same model (smp slices it, never re-initializes).
+    assert all(o["weights"] == out[0]["weights"] for o in out)
