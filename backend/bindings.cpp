@@ -105,21 +105,5 @@ PYBIND11_MODULE(_C, m) {
             return smp::statsDict(self.stats(c10::Device(device).type()));
           },
           py::arg("device"))
-      .def_property_readonly("has_cuda", &smp::SmpBackend::hasCuda)
-      .def(
-          "inner",
-          [](smp::SmpBackend& self, const std::string& device) {
-            return self.inner(c10::Device(device).type());
-          },
-          py::arg("device"),
-          "The torch backend (Gloo or NCCL) carrying this device's tensors.");
-
-  m.def(
-      "parse_throttle_limit",
-      [](const std::string& variable, std::optional<std::string> value,
-         int64_t fallback) {
-        return smp::parseThrottleLimit(
-            variable, value.has_value() ? value->c_str() : nullptr, fallback);
-      },
-      py::arg("variable"), py::arg("value"), py::arg("fallback"));
+      .def_property_readonly("has_cuda", &smp::SmpBackend::hasCuda);
 }

@@ -7,11 +7,14 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <thread>
 #include <utility>
 
 namespace smp {
+namespace {
 
+// Blocks until `done()` is true or `timeout` passes; returns the last value.
 bool pollUntil(std::chrono::milliseconds timeout,
                const std::function<bool()>& done) {
   using Clock = std::chrono::steady_clock;
@@ -36,6 +39,8 @@ bool pollUntil(std::chrono::milliseconds timeout,
     }
   }
 }
+
+}  // namespace
 
 WorkCompletion::WorkCompletion(c10::intrusive_ptr<c10d::Work> work, Block block)
     : work_(std::move(work)), block_(block) {}

@@ -4,7 +4,6 @@
 
 #include <c10/core/Device.h>
 
-#include <functional>
 #include <memory>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -35,10 +34,5 @@ class WorkCompletion : public Completion {
 // return no Work at all, so they are tracked this way. Built on the
 // device-generic c10::Event, so this file needs no CUDA headers.
 std::shared_ptr<Completion> completionOnCurrentStream(c10::Device device);
-
-// Blocks until `done()` is true or `timeout` passes, backing off from
-// spinning to short sleeps. Returns the last value of `done()`.
-bool pollUntil(std::chrono::milliseconds timeout,
-               const std::function<bool()>& done);
 
 }  // namespace smp

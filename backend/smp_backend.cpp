@@ -65,10 +65,6 @@ ThrottleStats SmpBackend::stats(c10::DeviceType device) {
   return device == c10::kCPU ? cpu_.throttle->stats() : cuda_.throttle->stats();
 }
 
-c10::intrusive_ptr<c10d::Backend> SmpBackend::inner(c10::DeviceType device) {
-  return device == c10::kCUDA ? cuda_.backend : cpu_.backend;
-}
-
 SmpBackend::Route& SmpBackend::routeFor(const char* op,
                                         const at::Device& device) {
   if (device.is_cpu()) {

@@ -33,7 +33,6 @@ class SmpBackend : public c10d::Backend {
 
   ThrottleStats stats(c10::DeviceType device);
   bool hasCuda() const { return cuda_.backend != nullptr; }
-  c10::intrusive_ptr<c10d::Backend> inner(c10::DeviceType device);
 
   // --- collectives -------------------------------------------------------
   c10::intrusive_ptr<c10d::Work> broadcast(
