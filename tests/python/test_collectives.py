@@ -42,6 +42,14 @@ def assert_equal(actual, expected):
     )
 
 
+def call(op, *args, async_op, **kwargs):
+    """Runs a collective sync or async; async handles are waited on before checking."""
+    work = op(*args, async_op=async_op, **kwargs)
+    if async_op:
+        work.wait()
+        assert work.is_completed()
+
+
 # --- reductions -------------------------------------------------------------
 
 
@@ -71,7 +79,7 @@ def check_broadcast_and_reduce(rank, world_size):
             assert_equal(t, make(root, n, dtype, salt=root))
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
                 t = make(rank, n, dtype, salt=root)
-                dist.reduce(t, dst=root, op=op)
+                call(dist.reduce, t, dst=root, op=op, async_op=op == dist.ReduceOp.MAX)
                 if rank == root:  # elsewhere the buffer is unspecified (Gloo uses it)
                     assert_equal(t, expected_reduction(op, world_size, n, dtype, salt=root))
         work = dist.broadcast(t := make(rank, n, torch.float64), src=root, async_op=True)
@@ -96,7 +104,7 @@ def check_gathers(rank, world_size):
     n = 11
     for dtype in (torch.float32, torch.int32, torch.float16):
         out = [torch.empty(n, dtype=dtype) for _ in range(world_size)]
-        dist.all_gather(out, make(rank, n, dtype))
+        call(dist.all_gather, out, make(rank, n, dtype), async_op=dtype == torch.int32)
         for r in range(world_size):
             assert_equal(out[r], make(r, n, dtype))
 
@@ -106,14 +114,14 @@ def check_gathers(rank, world_size):
 
         for root in (0, world_size - 1):
             gathered = [torch.empty(n, dtype=dtype) for _ in range(world_size)] if rank == root else None
-            dist.gather(make(rank, n, dtype, salt=1), gathered, dst=root)
+            call(dist.gather, make(rank, n, dtype, salt=1), gathered, dst=root, async_op=root != 0)
             if rank == root:
                 for r in range(world_size):
                     assert_equal(gathered[r], make(r, n, dtype, salt=1))
 
             received = torch.empty(n, dtype=dtype)
             chunks = [make(r, n, dtype, salt=2) + root for r in range(world_size)] if rank == root else None
-            dist.scatter(received, chunks, src=root)
+            call(dist.scatter, received, chunks, src=root, async_op=root != 0)
             assert_equal(received, make(rank, n, dtype, salt=2) + root)
 
 
@@ -163,7 +171,12 @@ def check_all_to_all(rank, world_size):
 
         # List form, uneven sizes.
         outs = [torch.empty(s + rank + 1, dtype=dtype) for s in range(world_size)]
-        dist.all_to_all(outs, [block(rank, d, dtype) for d in range(world_size)])
+        call(
+            dist.all_to_all,
+            outs,
+            [block(rank, d, dtype) for d in range(world_size)],
+            async_op=dtype == torch.int64,
+        )
         for s in range(world_size):
             assert_equal(outs[s], block(s, rank, dtype))
 
