@@ -42,9 +42,9 @@ def assert_equal(actual, expected):
     )
 
 
-def call(op, *args, async_op, **kwargs):
+def call(collective, /, *args, async_op, **kwargs):
     """Runs a collective sync or async; async handles are waited on before checking."""
-    work = op(*args, async_op=async_op, **kwargs)
+    work = collective(*args, async_op=async_op, **kwargs)
     if async_op:
         work.wait()
         assert work.is_completed()
