@@ -12,9 +12,9 @@
 namespace smp {
 
 // Sees a c10d::Work. poll() asks isCompleted(). How to block differs:
-// - CPU (Gloo) work: Work::wait blocks the CPU, and some Gloo work
-// (torch 2.15's
-//   reduce_scatter) never reports isCompleted() at all, so it must be waited.
+// - CPU (Gloo) work: Work::wait blocks the CPU, and some Gloo work (torch
+//   2.15's reduce_scatter) never reports isCompleted() at all, so it must be
+//   waited on.
 // - asynchronous NCCL work: wait() only orders streams; isCompleted() queries
 //   the end event without blocking, so it is polled.
 class WorkCompletion : public Completion {

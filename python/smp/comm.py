@@ -81,14 +81,14 @@ def broadcast(obj: Any, group: CommGroup) -> None:
 
 
 def allgather(obj: Any, group: CommGroup) -> list[Any]:
-    pg = core.process_group(_check_group(group))
+    pg = core.process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(out, obj, group=pg)
     return out
 
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
-    dist.barrier(group=core.process_group(_check_group(group)))
+    dist.barrier(group=core.process_group(group))
 
 
 def dp_barrier() -> None:

@@ -105,11 +105,6 @@ def state() -> _State:
     return _state
 
 
-def _reset_for_tests() -> None:
-    global _state
-    _state = None
-
-
 # --- ranks and groups ----------------------------------------------------------
 
 
