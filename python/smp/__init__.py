@@ -50,6 +50,10 @@ from smp.core import (
     tp_size,
 )
 from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
+from smp.model import DistributedModel
+from smp.optimizer import DistributedOptimizer
+from smp.partitioning import partition, set_partition
+from smp.step import StepOutput, step
 from smp.topology import CommGroup, RankType, Topology
 
 __version__ = "0.1.0"
@@ -79,7 +83,10 @@ __all__ = [
     "WORLD_RANK",
     "CommGroup",
     "Config",
+    "DistributedModel",
+    "DistributedOptimizer",
     "RankType",
+    "StepOutput",
     "Topology",
     "__version__",
     "allgather",
@@ -110,6 +117,7 @@ __all__ = [
     "mp_rank",
     "mp_size",
     "num_microbatches",
+    "partition",
     "pp_barrier",
     "pp_rank",
     "pp_size",
@@ -120,8 +128,10 @@ __all__ = [
     "recv_from",
     "sampler",
     "send",
+    "set_partition",
     "set_seed",
     "size",
+    "step",
     "tensor_parallel_seed",
     "tp_barrier",
     "tp_rank",

@@ -52,6 +52,11 @@ class Config:
     tensor_parallel_seed: int = 0
     skip_tracing: bool = False
     sharded_data_parallel_degree: int = 1
+    # smp additions (not in SMP v1):
+    # SMP's behaviour: every user of a shared parameter on one stage (else it is replicated).
+    colocate_shared_parameters: bool = False
+    # Print the pipeline partition report on global rank 0.
+    debug: bool = False
 
     @property
     def placement_order(self) -> str:

@@ -1,0 +1,43 @@
+"""smp.passes: graph passes over torch.fx GraphModules, usable on their own.
+
+    captured = capture(model, args, kwargs)        # torch.export, non-strict
+    cost.annotate(captured.graph_module)           # FLOPs and activation bytes per node
+    plan = auto_partition(captured.graph_module, num_stages=4, memory_weight=0.8)
+    print(plan.report())
+    pipe = split(captured, plan)                   # one GraphModule per stage
+
+Running `pipe.stages` in order, feeding each the values it receives, computes the
+model's forward; smp.DistributedModel does that across processes.
+"""
+
+from . import cost
+from .capture import CapturedGraph, CaptureError, capture
+from .partition import (
+    PartitionError,
+    PartitionPlan,
+    Segment,
+    auto_partition,
+    manual_partition,
+    plan_from_assignment,
+    segments,
+)
+from .split import OutputLeaf, PipelineGraph, StageModule, Value, split
+
+__all__ = [
+    "CaptureError",
+    "CapturedGraph",
+    "OutputLeaf",
+    "PartitionError",
+    "PartitionPlan",
+    "PipelineGraph",
+    "Segment",
+    "StageModule",
+    "Value",
+    "auto_partition",
+    "capture",
+    "cost",
+    "manual_partition",
+    "plan_from_assignment",
+    "segments",
+    "split",
+]

@@ -1,0 +1,207 @@
+"""Split: a partitioned graph -> one GraphModule per stage, plus what crosses between stages.
+
+Every stage module takes (the flat model inputs it reads, then the values it
+receives from earlier stages) and returns the values it produces for later
+stages or for the model's output. Parameters and buffers are get_attr nodes
+that point at the captured module's own tensors, so a parameter used on two
+stages is the same tensor in both stage modules of one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from .capture import CapturedGraph
+from .partition import COMPUTE_OPS, PartitionError, PartitionPlan
+
+
+@dataclasses.dataclass
+class Value:
+    """A tensor that leaves the stage that computed it."""
+
+    name: str
+    src: int
+    consumers: list[int]  # later stages that read it
+    is_output: bool  # returned from the model's forward (so sent to every stage)
+    requires_grad: bool  # a gradient flows back for it
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class StageModule:
+    index: int
+    module: fx.GraphModule
+    inputs: list[int]  # flat model-input indices, the first placeholders
+    received: list[str]  # values from earlier stages, the next placeholders
+    produced: list[str]  # values it returns, in order
+
+
+@dataclasses.dataclass
+class OutputLeaf:
+    kind: str  # "value" (a Value's name), "input" (a flat input index) or "const"
+    ref: Any
+
+
+@dataclasses.dataclass
+class PipelineGraph:
+    stages: list[StageModule]
+    values: dict[str, Value]
+    outputs: list[OutputLeaf]
+    captured: CapturedGraph
+    plan: PartitionPlan
+
+    def unflatten_outputs(self, leaves: list[Any]) -> Any:
+        return pytree.tree_unflatten(leaves, self.captured.out_spec)
+
+    def run(self, *args, **kwargs) -> Any:
+        """Runs every stage in order in this process: the model's forward, for checking a split."""
+        flat = self.captured.flatten_inputs(args, kwargs)
+        env: dict[str, Any] = {}
+        for stage in self.stages:
+            results = stage.module(*[flat[i] for i in stage.inputs], *[env[v] for v in stage.received])
+            env.update(zip(stage.produced, results, strict=True))
+        leaves = [
+            env[leaf.ref] if leaf.kind == "value" else flat[leaf.ref] if leaf.kind == "input" else leaf.ref
+            for leaf in self.outputs
+        ]
+        return self.unflatten_outputs(leaves)
+
+
+def split(captured: CapturedGraph, plan: PartitionPlan) -> PipelineGraph:
+    gm = captured.graph_module
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    input_index = {n.name: i for i, n in enumerate(placeholders)}
+    stage_of = plan.node_stage
+    requires_grad = _requires_grad(nodes, captured.input_requires_grad)
+
+    values: dict[str, Value] = {}
+
+    def value(node: fx.Node) -> Value:
+        if node.name not in values:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise PartitionError(
+                    f"'{node.name}' ({type(val).__name__}) would cross between pipeline stages, but only "
+                    "tensors can; move the code that produces and uses it into one partition"
+                )
+            values[node.name] = Value(
+                node.name, stage_of[node.name], [], False, requires_grad[node.name], val.shape, val.dtype
+            )
+        return values[node.name]
+
+    for node in nodes:
+        if node.name not in stage_of:
+            continue
+        for producer in node.all_input_nodes:
+            if producer.name in stage_of and stage_of[producer.name] != stage_of[node.name]:
+                consumers = value(producer).consumers
+                if stage_of[node.name] not in consumers:
+                    consumers.append(stage_of[node.name])
+
+    outputs = []
+    for leaf in captured.output_nodes():
+        if not isinstance(leaf, fx.Node):
+            outputs.append(OutputLeaf("const", leaf))
+        elif leaf.op == "placeholder":
+            outputs.append(OutputLeaf("input", input_index[leaf.name]))
+        elif leaf.name in stage_of:
+            value(leaf).is_output = True
+            outputs.append(OutputLeaf("value", leaf.name))
+        else:
+            raise PartitionError(
+                f"the model returns '{leaf.target}' ({leaf.op}) directly; return a computed tensor instead"
+            )
+
+    stages = [
+        _stage_module(gm, nodes, plan.num_stages, s, stage_of, input_index, values)
+        for s in range(plan.num_stages)
+    ]
+    return PipelineGraph(stages, values, outputs, captured, plan)
+
+
+def _stage_module(gm, nodes, num_stages, s, stage_of, input_index, values) -> StageModule:
+    mine = [n for n in nodes if stage_of.get(n.name) == s or _is_grad_mode_switch(n)]
+    own = {n.name for n in mine}
+    inputs: list[int] = []
+    received: list[str] = []
+    for node in mine:
+        for p in node.all_input_nodes:
+            if p.op == "placeholder" and input_index[p.name] not in inputs:
+                inputs.append(input_index[p.name])
+            elif p.name in stage_of and p.name not in own and p.name not in received:
+                received.append(p.name)
+    inputs.sort()
+    order = {n.name: i for i, n in enumerate(nodes)}
+    received.sort(key=order.__getitem__)
+    produced = [v.name for v in values.values() if v.src == s and (v.consumers or v.is_output)]
+
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    attrs: dict[str, Any] = {}
+    by_name = {n.name: n for n in nodes}
+    placeholder_names = [n.name for n in nodes if n.op == "placeholder"]
+    for i in inputs:
+        env[placeholder_names[i]] = graph.placeholder(placeholder_names[i])
+    for name in received:
+        env[name] = graph.placeholder(name)
+        env[name].meta = dict(by_name[name].meta)
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node.name not in env:
+            assert node.op == "get_attr", node.format_node()
+            attrs[node.target] = _fetch(gm, node.target)
+            env[node.name] = graph.get_attr(node.target)
+        return env[node.name]
+
+    for node in mine:
+        env[node.name] = graph.node_copy(node, lookup)
+    graph.output(tuple(env[name] for name in produced))
+    graph.lint()
+    module = fx.GraphModule(attrs, graph, class_name=f"Stage{s}")
+    return StageModule(s, module, inputs, received, produced)
+
+
+def _is_grad_mode_switch(node: fx.Node) -> bool:
+    # no_grad / enable_grad regions: every stage replays the switches in order.
+    return node.op == "call_function" and node.target is torch._C._set_grad_enabled
+
+
+def _requires_grad(nodes: list[fx.Node], input_requires_grad: list[bool]) -> dict[str, bool]:
+    """Which nodes' outputs autograd will track: floating tensors computed from tracked inputs."""
+    result: dict[str, bool] = {}
+    grad_enabled = True
+    placeholder_index = 0
+    for node in nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            result[node.name] = input_requires_grad[placeholder_index]
+            placeholder_index += 1
+        elif node.op == "get_attr":
+            result[node.name] = bool(getattr(_fetch(node.graph.owning_module, node.target), "requires_grad", False))
+        elif _is_grad_mode_switch(node):
+            grad_enabled = bool(node.args[0])
+            result[node.name] = False
+        elif node.op in COMPUTE_OPS:
+            differentiable = (
+                grad_enabled
+                and node.target is not torch.ops.aten.detach.default
+                and any(t.is_floating_point() or t.is_complex() for t in _tensors(val))
+            )
+            result[node.name] = differentiable and any(result.get(p.name, False) for p in node.all_input_nodes)
+    return result
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _fetch(module: torch.nn.Module, target: str) -> Any:
+    return functools.reduce(getattr, target.split("."), module)

@@ -1,0 +1,91 @@
+"""Microbatches as threads that take turns: the step function runs once per microbatch,
+and a pipeline schedule decides when each one's forward and backward happen.
+
+Only one microbatch thread (or the scheduler) runs at any time; control passes
+explicitly, so execution is as deterministic as a single thread. A microbatch
+pauses at the end of its model forward; the scheduler resumes it for its backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_local = threading.local()
+
+
+class Aborted(BaseException):
+    """Raised inside paused microbatches when the step fails elsewhere, to unwind their threads."""
+
+
+def current() -> Microbatch | None:
+    return getattr(_local, "microbatch", None)
+
+
+class Microbatch:
+    def __init__(self, index: int, fn: Callable, args: tuple, kwargs: dict):
+        self.index = index
+        self.forward_calls = 0
+        self.backward_calls = 0
+        self.result: Any = None
+        self.done = False
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._turn = threading.Semaphore(0)
+        self._back = threading.Semaphore(0)
+        # The thread starts with the caller's grad mode and CUDA device, which are per thread.
+        self._grad_enabled = torch.is_grad_enabled()
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._thread = threading.Thread(target=self._main, name=f"smp-microbatch-{index}", daemon=True)
+
+    def resume(self) -> None:
+        """Runs this microbatch until it pauses or finishes (called by the scheduler)."""
+        if self.done:
+            return
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._turn.release()
+        self._back.acquire()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def pause(self) -> None:
+        """Hands control back to the scheduler until resume() (called on this microbatch's thread)."""
+        self._back.release()
+        self._turn.acquire()
+        if self._aborted:
+            raise Aborted()
+
+    def abort(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._aborted = True
+        if not self.done:
+            self._turn.release()
+            self._back.acquire()
+            self._error = None
+        self._thread.join(timeout=5)
+
+    def _main(self) -> None:
+        self._turn.acquire()
+        _local.microbatch = self
+        try:
+            if self._aborted:
+                raise Aborted()
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
+            with torch.set_grad_enabled(self._grad_enabled):
+                self.result = self._fn(*self._args, **self._kwargs)
+        except Aborted:
+            pass
+        except BaseException as error:  # handed to the scheduler thread, which raises it
+            self._error = error
+        finally:
+            self.done = True
+            _local.microbatch = None
+            self._back.release()

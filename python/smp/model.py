@@ -1,0 +1,352 @@
+"""smp.DistributedModel: wraps an unmodified nn.Module for pipeline and data parallelism.
+
+With pipeline_parallel_degree == 1 the module runs whole on every rank and ranks
+average gradients. Otherwise the first model call inside @smp.step captures the
+forward as a graph, partitions it into pp stages (smp.passes), and this rank keeps
+only its stage's parameters; later calls run the stage and exchange activations.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp import activation_meter, core, microbatch, passes
+from smp._backend import BACKEND_NAME
+from smp.grad_sync import GradSync
+from smp.partitioning import module_partitions
+from smp.pipeline import StageRuntime
+from smp.topology import CommGroup
+
+_current: DistributedModel | None = None
+
+
+def current() -> DistributedModel | None:
+    return _current
+
+
+def start_step() -> None:
+    if _current is not None:
+        _current._start_step()
+
+
+def finish_step() -> None:
+    if _current is not None:
+        _current._finish_step()
+
+
+class DistributedModel(nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "gpu",
+        trace_execution_times: bool = False,
+        trace_memory_usage: bool = False,
+        overlapping_allreduce: bool = True,
+        backward_passes_per_step: int = 1,
+        average_grads_across_microbatches: bool = True,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+    ):
+        if not isinstance(module, nn.Module) or isinstance(module, DistributedModel):
+            raise TypeError(
+                f"smp.DistributedModel wraps a plain nn.Module once, got {type(module).__name__}"
+            )
+        st = core.state()
+        super().__init__()
+        self.module = module
+        self._config = st.config
+        self._trace_execution_times = trace_execution_times
+        self._average_microbatches = average_grads_across_microbatches
+        self._bucket_cap_mb = bucket_cap_mb
+        _refresh_parameters(module)
+        # The full state_dict's keys and, for tied tensors, the first key of each.
+        self._keys = list(module.state_dict(keep_vars=True).keys())
+        self._runtime: StageRuntime | None = None
+        self._grad_sync: GradSync | None = None
+        self._meter: activation_meter.SavedActivationMeter | None = None
+        self._track_activations = False
+        self.partition_plan: passes.PartitionPlan | None = None
+        self.partitioned = False
+        global _current
+        _current = self
+        if core.pp_size() == 1:
+            self._place_whole()
+
+    # --- calls inside smp.step ----------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        mb = microbatch.current()
+        if mb is None:
+            raise RuntimeError(
+                "smp: the DistributedModel can only be called inside a function decorated with @smp.step; "
+                "move `model(...)` and `model.backward(loss)` into the step function"
+            )
+        mb.forward_calls += 1
+        if mb.forward_calls > 1:
+            raise RuntimeError(
+                "smp: the DistributedModel was called twice in one step function; call it once per step "
+                "(concatenate the inputs into one call)"
+            )
+        if core.pp_size() == 1:
+            return self.module(*args, **kwargs)
+        if not self.partitioned:
+            self._partition(args, kwargs)
+        pending = self._runtime.forward(mb.index, args, kwargs)
+        mb.pause()
+        return pending.wait()
+
+    def backward(self, tensors, grad_tensors=None) -> None:
+        """Replaces loss.backward() inside @smp.step: runs this rank's part of the backward."""
+        mb = microbatch.current()
+        if mb is None:
+            raise RuntimeError(
+                "smp: model.backward(loss) can only be called inside a function decorated with @smp.step"
+            )
+        if mb.forward_calls == 0:
+            raise RuntimeError("smp: model.backward(loss) was called before the model's forward in this step")
+        mb.backward_calls += 1
+        if mb.backward_calls > 1:
+            raise RuntimeError("smp: model.backward was called twice in one step function; call it once")
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            grad_tensors = [None] * len(tensors)
+        elif isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = [grad_tensors]
+        scale = 1.0 / self._config.microbatches if self._average_microbatches else 1.0
+        grads = []
+        for t, g in zip(tensors, grad_tensors, strict=True):
+            if g is None:
+                if t.numel() != 1:
+                    raise ValueError(
+                        f"smp: model.backward got a tensor of shape {tuple(t.shape)} without grad_tensors; "
+                        "reduce it to a scalar loss or pass grad_tensors"
+                    )
+                g = torch.ones_like(t)
+            grads.append(g * scale if scale != 1.0 else g)
+        self._grad_sync.note_backward()
+        if core.pp_size() == 1:
+            roots = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+            if roots:
+                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+        else:
+            self._runtime.backward(mb.index, tensors, grads)
+
+    def _start_step(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.start_step(self._config.microbatches)
+
+    def _finish_step(self) -> None:
+        if self._runtime is not None:
+            self._runtime.finish_step()
+        if self._grad_sync is not None:
+            self._grad_sync.finish_step()
+
+    # --- placement ------------------------------------------------------------
+
+    def _place_whole(self) -> None:
+        if torch.cuda.is_available():
+            self.module.to(torch.device("cuda", torch.cuda.current_device()))
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        dp_group = self._broadcast_from_first_replica(tensors)
+        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb)
+        self.partitioned = True
+
+    def _partition(self, args: tuple, kwargs: dict) -> None:
+        cfg = self._config
+        stage, num_stages = core.pp_rank(), core.pp_size()
+        device = _input_device(args, kwargs)
+        self.module.to(device)
+        captured = passes.capture(self.module, args, kwargs)
+        gm = captured.graph_module
+        seconds = None
+        if self._trace_execution_times:
+            seconds = passes.cost.measure_seconds(gm, captured.flatten_inputs(args, kwargs))
+        passes.cost.annotate(gm, seconds)
+        if cfg.auto_partition:
+            plan = passes.auto_partition(gm, num_stages, cfg.memory_weight, cfg.colocate_shared_parameters)
+        else:
+            plan = passes.manual_partition(
+                gm,
+                num_stages,
+                module_partitions(self.module),
+                cfg.default_partition,
+                cfg.colocate_shared_parameters,
+            )
+        # Measured times differ between ranks: everyone adopts global rank 0's assignment.
+        agreed = [plan.node_stage]
+        dist.broadcast_object_list(agreed, src=0)
+        if agreed[0] != plan.node_stage:
+            plan = passes.partition.plan_from_assignment(gm, agreed[0], num_stages, cfg.colocate_shared_parameters)
+        pipe = passes.split(captured, plan)
+        self._keep_local(gm, pipe, plan, stage)
+        shared = self._shared_groups(gm, plan, stage)
+        dp_group = self._broadcast_from_first_replica(list(self.module.parameters()) + list(self.module.buffers()))
+        for _, p, group in shared:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, shared, self._bucket_cap_mb)
+        self._grad_sync.start_step(cfg.microbatches)
+        self._runtime = StageRuntime(pipe, stage, core.get_pp_process_group(), core.get_pp_group(), cfg.microbatches, device)
+        self._meter = activation_meter.SavedActivationMeter(self.module.parameters())
+        self._runtime.meter = self._meter if self._track_activations else None
+        self.partition_plan = plan
+        self.partitioned = True
+        if cfg.debug and core.rank() == 0:
+            print(plan.report(), flush=True)
+
+    def _keep_local(self, gm, pipe, plan, stage: int) -> None:
+        """Frees every parameter and buffer that this rank's stage does not use (stage 0 also keeps
+        the ones no stage uses)."""
+        params = dict(gm.named_parameters(remove_duplicate=False))
+        attrs = {s.index: {id(t) for t in _attr_tensors(s.module)} for s in pipe.stages}
+        used = set().union(*attrs.values())
+        keep = attrs[stage] | {id(params[name]) for name in plan.stage_parameters[stage]}
+        for owner in self.module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for name, t in list(table.items()):
+                    if t is None or id(t) in keep or (stage == 0 and id(t) not in used):
+                        continue
+                    if isinstance(t, nn.Parameter):
+                        t._smp_nonlocal = True
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    table[name] = None
+        for s in pipe.stages:
+            if s.index != stage:
+                s.module = None
+
+    def _shared_groups(self, gm, plan, stage: int):
+        """Process groups joining the replicas of each shared parameter (created on every rank, in order)."""
+        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        pp_groups = core.state().topology.all_groups(CommGroup.PP_GROUP)
+        for stages in sorted({tuple(s) for s in plan.shared_parameters.values()}):
+            for ranks in pp_groups:
+                members = [ranks[s] for s in stages]
+                group = dist.new_group(members, backend=BACKEND_NAME)
+                if core.rank() in members:
+                    groups[stages] = group
+        shared = []
+        params = dict(gm.named_parameters(remove_duplicate=False))
+        for name, stages in sorted(plan.shared_parameters.items()):
+            if stage in stages and params[name].requires_grad:
+                shared.append((name, params[name], groups[tuple(stages)]))
+        return shared
+
+    def _broadcast_from_first_replica(self, tensors: list[torch.Tensor]) -> dist.ProcessGroup | None:
+        """Makes data-parallel replicas start equal (as DDP does); returns the group if it has >1 rank."""
+        if core.dp_size() == 1:
+            return None
+        group = core.get_dp_process_group()
+        src = core.get_dp_group()[0]
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.data, src=src, group=group)
+        return group
+
+    # --- introspection and state ----------------------------------------------
+
+    def local_parameters(self):
+        return self.module.parameters()
+
+    def local_named_parameters(self):
+        return self.module.named_parameters()
+
+    def local_buffers(self):
+        return self.module.buffers()
+
+    def local_named_buffers(self):
+        return self.module.named_buffers()
+
+    def local_modules(self):
+        """Modules holding a parameter or buffer on this rank."""
+        return [
+            m
+            for m in self.module.modules()
+            if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None
+        ]
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The full model's state_dict (original keys). With pipeline stages, a collective over the
+        pipeline group: call it on every rank of one pipeline (e.g. all ranks, or dp_rank() == 0)."""
+        if core.pp_size() == 1 or not self.partitioned:
+            return self.module.state_dict(*args, **kwargs)
+        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        parts: list[Any] = [None] * core.pp_size()
+        dist.all_gather_object(parts, local, group=core.get_pp_process_group())
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        missing = [k for k in self._keys if k not in merged]
+        if missing:
+            raise RuntimeError(f"smp: state_dict is missing {missing[:5]} after gathering the stages")
+        return {k: merged[k] for k in self._keys}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads a full state_dict; after partitioning each rank takes the entries of its stage."""
+        if not self.partitioned or core.pp_size() == 1:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        unknown = [k for k in state_dict if k not in self._keys]
+        missing = [k for k in self._keys if k not in state_dict]
+        if strict and (unknown or missing):
+            raise RuntimeError(
+                f"smp: load_state_dict: unexpected keys {unknown[:5]}, missing keys {missing[:5]} "
+                "(pass strict=False to load a subset)"
+            )
+        with torch.no_grad():
+            for k, t in self.module.state_dict(keep_vars=True).items():
+                if k in state_dict:
+                    t.copy_(state_dict[k])
+        return None
+
+    def track_saved_activations(self, enabled: bool = True) -> None:
+        """Counts bytes saved for backward by this rank's stage (see saved_activation_bytes)."""
+        self._track_activations = enabled
+        if self._runtime is not None:
+            self._runtime.meter = self._meter if enabled else None
+
+    def saved_activation_bytes(self) -> dict[str, int]:
+        meter = self._meter
+        return {"live": meter.live_bytes if meter else 0, "peak": meter.peak_bytes if meter else 0}
+
+    def partition_report(self) -> str:
+        if self.partition_plan is None:
+            return "smp partition: not partitioned (pipeline_parallel_degree == 1 or no step has run yet)"
+        return self.partition_plan.report()
+
+
+def _attr_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    return [
+        functools.reduce(getattr, n.target.split("."), gm) for n in gm.graph.nodes if n.op == "get_attr"
+    ]
+
+
+def _refresh_parameters(module: nn.Module) -> None:
+    """Gives the module new Parameter objects (same storage): an optimizer built from the module
+    before it was wrapped still holds the old ones, which is how that mistake is caught."""
+    fresh: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in fresh:
+                fresh[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
+                p._smp_replaced = True
+            m._parameters[name] = fresh[id(p)]
+
+
+def _input_device(args: tuple, kwargs: dict) -> torch.device:
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,110 @@
+"""smp.DistributedOptimizer: a torch optimizer over the DistributedModel's (local) parameters."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from smp import model as model_lib
+
+_BUILT_BEFORE_WRAP = (
+    "smp: this optimizer was built from the module's parameters before smp.DistributedModel wrapped it, "
+    "so it holds parameters the model no longer trains. Build it afterwards:\n"
+    "    model = smp.DistributedModel(MyModel())\n"
+    "    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters()))"
+)
+
+
+class DistributedOptimizer:
+    """Wraps `optimizer` (built from `model.parameters()` of the DistributedModel).
+
+    After the model is partitioned, each rank's optimizer steps only the parameters of
+    its stage; the others were freed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, **dynamic_loss_args):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        model = model_lib.current()
+        if model is None:
+            raise RuntimeError(
+                "smp.DistributedOptimizer: create smp.DistributedModel first and build the optimizer from "
+                "model.parameters()"
+            )
+        owned = {id(p) for p in model.module.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if getattr(p, "_smp_replaced", False):
+                    raise ValueError(_BUILT_BEFORE_WRAP)
+                if id(p) not in owned and not getattr(p, "_smp_nonlocal", False):
+                    raise ValueError(
+                        f"smp.DistributedOptimizer: the optimizer holds a parameter of shape {tuple(p.shape)} "
+                        "that is not part of the DistributedModel; build it from model.parameters()"
+                    )
+        optimizer._smp_distributed = True
+        self.optimizer = optimizer
+        self._model = model
+        self._localized = False
+
+    def step(self, *args, **kwargs):
+        self._localize()
+        return self.optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        self._localize()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._localize()
+        self.optimizer.load_state_dict(state_dict)
+
+    def local_state_dict(self):
+        return self.state_dict()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["optimizer"], name)
+
+    def _localize(self) -> None:
+        """Drops the parameters partitioning moved to other stages (once, after partitioning)."""
+        if self._localized or not self._model.partitioned:
+            return
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if not getattr(p, "_smp_nonlocal", False)]
+        self._localized = True
+
+
+_checked: weakref.WeakSet = weakref.WeakSet()
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global step pre-hook: catches optimizers that would silently train the wrong parameters."""
+    if optimizer in _checked:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(getattr(p, "_smp_replaced", False) for p in params):
+        raise RuntimeError(_BUILT_BEFORE_WRAP)
+    if any(getattr(p, "_smp_nonlocal", False) for p in params) and not getattr(optimizer, "_smp_distributed", False):
+        raise RuntimeError(
+            "smp: this optimizer holds parameters that pipeline partitioning moved to other ranks; wrap it: "
+            "optimizer = smp.DistributedOptimizer(optimizer)"
+        )
+    model = model_lib.current()
+    if model is not None and model.partitioned:
+        _checked.add(optimizer)
+
+
+register_optimizer_step_pre_hook(_check_step)

@@ -1,0 +1,174 @@
+"""@smp.step: runs a training (or evaluation) step as microbatches through the pipeline schedule."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from smp import core, schedule
+from smp import model as model_lib
+from smp.microbatch import Microbatch
+
+
+class StepOutput:
+    """One value returned by a step function, per microbatch."""
+
+    def __init__(self, outputs: list[Any]):
+        self.outputs = list(outputs)
+
+    def reduce_mean(self):
+        return self.reduce_sum() / len(self.outputs)
+
+    def reduce_sum(self):
+        if all(isinstance(o, torch.Tensor) for o in self.outputs):
+            return torch.stack(self.outputs).sum(dim=0)
+        return sum(self.outputs)
+
+    def concat(self, dim: int = 0) -> torch.Tensor:
+        return torch.cat(self.outputs, dim=dim)
+
+    def stack(self, dim: int = 0) -> torch.Tensor:
+        return torch.stack(self.outputs, dim=dim)
+
+    def __repr__(self) -> str:
+        return f"StepOutput({self.outputs!r})"
+
+
+def step(
+    fn: Callable | None = None,
+    *,
+    non_split_inputs: Iterable[str] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+    detach_outputs: bool = True,
+):
+    """Decorates a function that runs the model forward (and model.backward) on one microbatch.
+
+    Usable as `@smp.step` or `@smp.step(non_split_inputs=[...], input_split_axes={...})`.
+    Tensor arguments (also inside lists, tuples and dicts) are split along axis 0, or the
+    axis named in input_split_axes, into `microbatches` pieces; names in non_split_inputs
+    pass whole. Each returned value comes back as a StepOutput.
+    """
+    if fn is None:
+        return functools.partial(
+            step,
+            non_split_inputs=non_split_inputs,
+            input_split_axes=input_split_axes,
+            detach_outputs=detach_outputs,
+        )
+    signature = inspect.signature(fn)
+    whole = set(non_split_inputs or ())
+    axes = dict(input_split_axes or {})
+    for name in whole | set(axes):
+        if name not in signature.parameters:
+            raise ValueError(
+                f"smp.step: {name!r} in non_split_inputs/input_split_axes is not a parameter of "
+                f"{fn.__name__}{signature}"
+            )
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        st = core.state()
+        m = st.config.microbatches
+        bound = signature.bind(*args, **kwargs)
+        pieces = _split_arguments(bound, m, whole, axes)
+        microbatches = [Microbatch(k, fn, a, kw) for k, (a, kw) in enumerate(pieces)]
+        actions = schedule.stage_actions(
+            st.config.pipeline,
+            core.pp_rank(),
+            core.pp_size(),
+            m,
+            st.config.num_active_microbatches,
+        )
+        model_lib.start_step()
+        try:
+            for action in actions:
+                mb = microbatches[action.microbatch]
+                mb.resume()
+                if action.kind == "F" and core.pp_size() > 1 and mb.forward_calls == 0:
+                    raise RuntimeError(
+                        f"smp.step: {fn.__name__} returned without calling the DistributedModel on microbatch "
+                        f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
+                    )
+                if action.kind == "B" and not mb.done:
+                    raise RuntimeError(
+                        f"smp.step: {fn.__name__} called the DistributedModel more than once in one step; "
+                        "call model(...) once per step function (combine inputs into one call)"
+                    )
+            model_lib.finish_step()
+        except BaseException:
+            for mb in microbatches:
+                mb.abort()
+            raise
+        results = [mb.result for mb in microbatches]
+        return _per_microbatch(results, detach_outputs)
+
+    return run
+
+
+def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axes: dict[str, int]):
+    split: dict[str, list[Any]] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if name in whole:
+            split[name] = [value] * m
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            split[name] = _transpose([_split(v, m, axes.get(name, 0), f"{name}[{i}]") for i, v in enumerate(value)], tuple, m)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            parts = {k: _split(v, m, axes.get(k, 0), k) if k not in whole else [v] * m for k, v in value.items()}
+            split[name] = [{k: parts[k][i] for k in parts} for i in range(m)]
+        else:
+            split[name] = _split(value, m, axes.get(name, 0), name)
+    pieces = []
+    for i in range(m):
+        arguments = {name: parts[i] for name, parts in split.items()}
+        b = inspect.BoundArguments(bound.signature, arguments)
+        pieces.append((b.args, b.kwargs))
+    return pieces
+
+
+def _split(value: Any, m: int, axis: int, name: str) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise ValueError(
+                f"smp.step: argument '{name}' is a 0-dim tensor, which has no batch axis to split into "
+                f"{m} microbatches; list its name in smp.step(non_split_inputs=[...])"
+            )
+        size = value.shape[axis]
+        if size % m:
+            raise ValueError(
+                f"smp.step: argument '{name}' has batch size {size} along axis {axis}, which does not "
+                f"divide into {m} microbatches; use a batch size divisible by {m} (DataLoader(..., "
+                "drop_last=True) drops a smaller last batch) or list it in non_split_inputs"
+            )
+        return list(value.chunk(m, dim=axis))
+    if hasattr(value, "smp_slice"):
+        return [value.smp_slice(m, i, axis) for i in range(m)]
+    if isinstance(value, dict):
+        parts = {k: _split(v, m, axis, f"{name}[{k!r}]") for k, v in value.items()}
+        return [type(value)({k: parts[k][i] for k in value}) for i in range(m)]
+    if isinstance(value, (list, tuple, set)):
+        items = [_split(v, m, axis, f"{name}[{i}]") for i, v in enumerate(value)]
+        return _transpose(items, type(value), m)
+    return [value] * m
+
+
+def _transpose(items: list[list[Any]], kind: type, m: int) -> list[Any]:
+    rows = [[parts[i] for parts in items] for i in range(m)]
+    if kind in (list, tuple, set):
+        return [kind(row) for row in rows]
+    return [kind(*row) for row in rows]  # namedtuple
+
+
+def _per_microbatch(results: list[Any], detach: bool) -> Any:
+    first = results[0]
+    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
+        return type(first)(_per_microbatch([r[i] for r in results], detach) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _per_microbatch([r[k] for r in results], detach) for k in first}
+    if detach:
+        results = [r.detach() if isinstance(r, torch.Tensor) else r for r in results]
+    return StepOutput(results)

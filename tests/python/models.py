@@ -1,0 +1,119 @@
+"""Small models for pipeline tests: a GPT-style LM and shapes that stress the partitioner."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        # No qkv bias (as in most current LMs): the key bias has an exactly zero true gradient,
+        # and Adam turns the rounding noise of any summation order into lr-sized updates there.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = scores.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token embedding tied to the output head, learned positions, pre-LN blocks, no dropout."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 4, seq: int = 16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)  # GPT-2's init: logits start near uniform
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tok(ids) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class TwiceCalled(nn.Module):
+    """Calls one submodule twice: its parameters are used at both ends of the model."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.shared = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        x = torch.tanh(self.shared(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(torch.tanh(self.shared(x)))
+
+
+class LongSkip(nn.Module):
+    """A skip connection from the first layer to the last crosses every stage boundary."""
+
+    def __init__(self, dim: int = 16, layers: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        first = torch.tanh(self.inp(x))
+        y = first
+        for layer in self.layers:
+            y = layer(y)
+        return self.out(y + first)
+
+
+class DictInTupleOut(nn.Module):
+    """forward(batch: dict) -> (prediction, auxiliary)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, batch):
+        x = torch.tanh(self.a(batch["x"])) * torch.sigmoid(self.b(batch["gate"]))
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x), x.pow(2).mean(dim=-1)
+
+
+def lm_loss(logits, ids):
+    """Next-token cross entropy."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
