@@ -25,6 +25,9 @@ SECONDS = "smp_seconds"
 OPTIMIZER_FACTOR = 4
 
 
+_CONTRACT_LAST_DIM = (torch.ops.aten.linear.default, torch.ops.aten.matmul.default)
+
+
 def annotate(gm: fx.GraphModule, seconds: Mapping[str, float] | None = None) -> None:
     """Writes FLOPS, ACTIVATION_BYTES (and SECONDS when given, by node name) into node.meta."""
     for node in gm.graph.nodes:
@@ -40,7 +43,8 @@ def node_flops(node: fx.Node) -> float:
     out = node.meta.get("val")
     target = node.target
     args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-    if target is torch.ops.aten.linear.default and isinstance(out, torch.Tensor):
+    if target in _CONTRACT_LAST_DIM and isinstance(out, torch.Tensor):
+        # linear and matmul: every output element is a dot product over the input's last axis.
         return 2.0 * out.numel() * args[0].shape[-1]
     packet = getattr(target, "overloadpacket", None)
     if packet in flop_registry:
@@ -48,8 +52,10 @@ def node_flops(node: fx.Node) -> float:
             return float(flop_registry[packet](*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not accept this overload: fall back below
             pass
-    # Elementwise and reductions: about one operation per element produced or read.
-    return float(max(_numel(out), _numel(args)))
+    # Elementwise ops and reductions: about one operation per element produced or read.
+    # Parameters are not all read (an embedding lookup reads a few rows of its table).
+    activations = [p.meta.get("val") for p in node.all_input_nodes if p.op != "get_attr"]
+    return float(max(_numel(out), _numel(activations)))
 
 
 def measure_seconds(gm: fx.GraphModule, flat_inputs: list, repeats: int = 3) -> dict[str, float]:
@@ -77,6 +83,4 @@ def _numel(value) -> int:
 
 
 def _bytes(value) -> int:
-    return sum(
-        t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
-    )
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))

@@ -90,7 +90,11 @@ def segments(gm: fx.GraphModule, depth: int) -> list[Segment]:
     for node in gm.graph.nodes:
         if node.op not in COMPUTE_OPS:
             continue
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].name in keys:
+        if (
+            node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node)
+            and node.args[0].name in keys
+        ):
             key = keys[node.args[0].name]  # unpacking stays with the op that produced the tuple
         else:
             key = _module_path(node, depth)
@@ -127,7 +131,9 @@ def auto_partition(
     previous = -1
     depth = 1
     while True:
-        units = segments(gm, depth)
+        units = _absorb_glue(segments(gm, depth))
+        if depth == 1:
+            top_units = units
         if colocate_shared:
             units = _merge_shared(units)
         if len(units) == previous:
@@ -138,7 +144,7 @@ def auto_partition(
             candidates.append((max(stage_cost), depth, units, bounds, stage_cost))
         depth += 1
     if not candidates:
-        raise PartitionError(_too_small_message(units, num_stages, colocate_shared))
+        raise PartitionError(_too_small_message(top_units, num_stages, colocate_shared))
     best = min(c[0] for c in candidates)
     _, _, units, bounds, stage_cost = next(c for c in candidates if c[0] <= best * 1.05 + 1e-12)
     node_stage = {}
@@ -158,9 +164,9 @@ def manual_partition(
 ) -> PartitionPlan:
     """Stages from a map of module path -> stage (innermost assigned module wins).
 
-    Code outside every assigned module follows its inputs: it runs on the latest
-    stage among its producers, and code that depends on no assigned node runs on the
-    earliest stage that consumes it (else `default_stage`).
+    An operation outside every assigned module runs on the latest stage among
+    `default_stage` and the stages of its inputs, so unassigned code (the root
+    module's own code, an unassigned head) follows the data instead of sending it back.
     """
     for path, s in module_stage.items():
         if not 0 <= s < num_stages:
@@ -169,27 +175,20 @@ def manual_partition(
                 f"use a partition index below pipeline_parallel_degree={num_stages}"
             )
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
-    stage: dict[str, int | None] = {}
+    stage: dict[str, int] = {}
     for node in nodes:
-        explicit = _explicit_stage(node, module_stage)
-        if explicit is not None:
-            stage[node.name] = explicit
-            continue
-        producers = [stage[p.name] for p in node.all_input_nodes if stage.get(p.name) is not None]
-        stage[node.name] = max(producers) if producers else None
-    for node in reversed(nodes):
-        if stage[node.name] is None:
-            consumers = [stage[u.name] for u in node.users if stage.get(u.name) is not None]
-            stage[node.name] = min(consumers) if consumers else default_stage
-    node_stage = {name: s for name, s in stage.items() if s is not None}
-    _check_forward_only(nodes, node_stage)
-    empty = [s for s in range(num_stages) if s not in set(node_stage.values())]
+        assigned = _explicit_stage(node, module_stage)
+        if assigned is None:
+            assigned = max([default_stage] + [stage[p.name] for p in node.all_input_nodes if p.name in stage])
+        stage[node.name] = assigned
+    _check_forward_only(nodes, stage)
+    empty = [s for s in range(num_stages) if s not in set(stage.values())]
     if empty:
         raise PartitionError(
             f"partition(s) {empty} received no operations of the model: assign modules to them with "
             "`with smp.partition(i):` or smp.set_partition(module, i), or lower pipeline_parallel_degree"
         )
-    return plan_from_assignment(gm, node_stage, num_stages, colocate_shared)
+    return plan_from_assignment(gm, stage, num_stages, colocate_shared)
 
 
 # --- helpers --------------------------------------------------------------------
@@ -214,6 +213,35 @@ def _attr_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if a.op == "get_attr"]
 
 
+def _absorb_glue(units: list[Segment]) -> list[Segment]:
+    """Merges code of the root module that reads no parameter (`x + pos`, `arange`) into the next
+    unit: it is glue between modules, not a place worth a stage of its own."""
+    merged: list[Segment] = []
+    carry: list[Segment] = []
+    for unit in units:
+        if unit.key == "" and not unit.parameters:
+            carry.append(unit)
+            continue
+        merged.append(_join(carry + [unit]) if carry else unit)
+        carry = []
+    if carry:
+        if merged:
+            merged[-1] = _join([merged[-1]] + carry)
+        else:
+            merged.append(_join(carry))
+    return merged
+
+
+def _join(group: list[Segment]) -> Segment:
+    return Segment(
+        "+".join(dict.fromkeys(u.key or "<root>" for u in group)),
+        [n for u in group for n in u.nodes],
+        sum(u.compute for u in group),
+        sum(u.activation_bytes for u in group),
+        functools.reduce(operator.or_, (u.parameters for u in group), frozenset()),
+    )
+
+
 def _merge_shared(units: list[Segment]) -> list[Segment]:
     """Merges every run of units between the first and last user of a shared parameter."""
     first: dict[str, int] = {}
@@ -233,16 +261,7 @@ def _merge_shared(units: list[Segment]) -> list[Segment]:
         while j < end:
             j += 1
             end = max(end, reach[j])
-        group = units[i : j + 1]
-        merged.append(
-            Segment(
-                "+".join(dict.fromkeys(u.key for u in group)),
-                [n for u in group for n in u.nodes],
-                sum(u.compute for u in group),
-                sum(u.activation_bytes for u in group),
-                functools.reduce(operator.or_, (u.parameters for u in group), frozenset()),
-            )
-        )
+        merged.append(_join(units[i : j + 1]))
         i = j + 1
     return merged
 
@@ -265,7 +284,9 @@ def _balance(units, num_stages, memory_weight, param_bytes):
                 seen.add(p)
                 pbytes += param_bytes.get(p, 0)
             memory = act + cost_lib.OPTIMIZER_FACTOR * pbytes
-            cost[i][j + 1] = (1 - memory_weight) * compute / total_compute + memory_weight * memory / total_memory
+            cost[i][j + 1] = (
+                1 - memory_weight
+            ) * compute / total_compute + memory_weight * memory / total_memory
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
@@ -372,4 +393,6 @@ def _stage_costs(gm, node_stage, num_stages) -> list[float]:
 def _abbreviate(names: list[str], keep: int = 8) -> str:
     if len(names) <= keep:
         return ", ".join(names)
-    return ", ".join(names[: keep // 2]) + f", ... ({len(names) - keep} more), " + ", ".join(names[-keep // 2 :])
+    return (
+        ", ".join(names[: keep // 2]) + f", ... ({len(names) - keep} more), " + ", ".join(names[-keep // 2 :])
+    )

@@ -185,7 +185,9 @@ def _requires_grad(nodes: list[fx.Node], input_requires_grad: list[bool]) -> dic
             result[node.name] = input_requires_grad[placeholder_index]
             placeholder_index += 1
         elif node.op == "get_attr":
-            result[node.name] = bool(getattr(_fetch(node.graph.owning_module, node.target), "requires_grad", False))
+            result[node.name] = bool(
+                getattr(_fetch(node.graph.owning_module, node.target), "requires_grad", False)
+            )
         elif _is_grad_mode_switch(node):
             grad_enabled = bool(node.args[0])
             result[node.name] = False
@@ -195,7 +197,9 @@ def _requires_grad(nodes: list[fx.Node], input_requires_grad: list[bool]) -> dic
                 and node.target is not torch.ops.aten.detach.default
                 and any(t.is_floating_point() or t.is_complex() for t in _tensors(val))
             )
-            result[node.name] = differentiable and any(result.get(p.name, False) for p in node.all_input_nodes)
+            result[node.name] = differentiable and any(
+                result.get(p.name, False) for p in node.all_input_nodes
+            )
     return result
 
 

@@ -105,6 +105,21 @@ def state() -> _State:
     return _state
 
 
+def reset() -> None:
+    """Forgets smp's state so smp.init can run again, with another config, in this process.
+
+    Destroys the groups smp created (a collective: call it on every rank); the default
+    process group stays.
+    """
+    global _state
+    if _state is None:
+        return
+    groups = [g for kind, g in _state.process_groups.items() if kind is not CommGroup.WORLD]
+    for group in dict.fromkeys(groups + [_state.messaging_group]):
+        dist.destroy_process_group(group)
+    _state = None
+
+
 # --- ranks and groups ----------------------------------------------------------
 
 

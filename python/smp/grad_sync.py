@@ -89,7 +89,9 @@ class GradSync:
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        )
         work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
         self._launched.append((bucket, flat, work))
 

@@ -55,9 +55,7 @@ class DistributedModel(nn.Module):
         gradient_as_bucket_view: bool = False,
     ):
         if not isinstance(module, nn.Module) or isinstance(module, DistributedModel):
-            raise TypeError(
-                f"smp.DistributedModel wraps a plain nn.Module once, got {type(module).__name__}"
-            )
+            raise TypeError(f"smp.DistributedModel wraps a plain nn.Module once, got {type(module).__name__}")
         st = core.state()
         super().__init__()
         self.module = module
@@ -132,7 +130,7 @@ class DistributedModel(nn.Module):
             grads.append(g * scale if scale != 1.0 else g)
         self._grad_sync.note_backward()
         if core.pp_size() == 1:
-            roots = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+            roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         else:
@@ -183,16 +181,22 @@ class DistributedModel(nn.Module):
         agreed = [plan.node_stage]
         dist.broadcast_object_list(agreed, src=0)
         if agreed[0] != plan.node_stage:
-            plan = passes.partition.plan_from_assignment(gm, agreed[0], num_stages, cfg.colocate_shared_parameters)
+            plan = passes.partition.plan_from_assignment(
+                gm, agreed[0], num_stages, cfg.colocate_shared_parameters
+            )
         pipe = passes.split(captured, plan)
         self._keep_local(gm, pipe, plan, stage)
         shared = self._shared_groups(gm, plan, stage)
-        dp_group = self._broadcast_from_first_replica(list(self.module.parameters()) + list(self.module.buffers()))
+        dp_group = self._broadcast_from_first_replica(
+            list(self.module.parameters()) + list(self.module.buffers())
+        )
         for _, p, group in shared:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
         self._grad_sync = GradSync(list(self.module.parameters()), dp_group, shared, self._bucket_cap_mb)
         self._grad_sync.start_step(cfg.microbatches)
-        self._runtime = StageRuntime(pipe, stage, core.get_pp_process_group(), core.get_pp_group(), cfg.microbatches, device)
+        self._runtime = StageRuntime(
+            pipe, stage, core.get_pp_process_group(), core.get_pp_group(), cfg.microbatches, device
+        )
         self._meter = activation_meter.SavedActivationMeter(self.module.parameters())
         self._runtime.meter = self._meter if self._track_activations else None
         self.partition_plan = plan
@@ -267,7 +271,8 @@ class DistributedModel(nn.Module):
         return [
             m
             for m in self.module.modules()
-            if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None
+            if next(m.parameters(recurse=False), None) is not None
+            or next(m.buffers(recurse=False), None) is not None
         ]
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
@@ -324,9 +329,7 @@ class DistributedModel(nn.Module):
 
 
 def _attr_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
-    return [
-        functools.reduce(getattr, n.target.split("."), gm) for n in gm.graph.nodes if n.op == "get_attr"
-    ]
+    return [functools.reduce(getattr, n.target.split("."), gm) for n in gm.graph.nodes if n.op == "get_attr"]
 
 
 def _refresh_parameters(module: nn.Module) -> None:

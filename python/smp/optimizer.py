@@ -24,10 +24,17 @@ class DistributedOptimizer:
     its stage; the others were freed.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, **dynamic_loss_args):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        **dynamic_loss_args,
+    ):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         model = model_lib.current()
         if model is None:
             raise RuntimeError(
@@ -41,7 +48,8 @@ class DistributedOptimizer:
                     raise ValueError(_BUILT_BEFORE_WRAP)
                 if id(p) not in owned and not getattr(p, "_smp_nonlocal", False):
                     raise ValueError(
-                        f"smp.DistributedOptimizer: the optimizer holds a parameter of shape {tuple(p.shape)} "
+                        "smp.DistributedOptimizer: the optimizer holds a parameter of shape "
+                        f"{tuple(p.shape)} "
                         "that is not part of the DistributedModel; build it from model.parameters()"
                     )
         optimizer._smp_distributed = True
@@ -97,7 +105,9 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(getattr(p, "_smp_replaced", False) for p in params):
         raise RuntimeError(_BUILT_BEFORE_WRAP)
-    if any(getattr(p, "_smp_nonlocal", False) for p in params) and not getattr(optimizer, "_smp_distributed", False):
+    if any(getattr(p, "_smp_nonlocal", False) for p in params) and not getattr(
+        optimizer, "_smp_distributed", False
+    ):
         raise RuntimeError(
             "smp: this optimizer holds parameters that pipeline partitioning moved to other ranks; wrap it: "
             "optimizer = smp.DistributedOptimizer(optimizer)"

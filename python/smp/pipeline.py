@@ -74,7 +74,10 @@ class StageRuntime:
         self._check_inputs(flat)
         values = self.pipe.values
         recvs = [
-            (name, *self._recv(values[name].shape, values[name].dtype, values[name].src, _ACTIVATION, k, name))
+            (
+                name,
+                *self._recv(values[name].shape, values[name].dtype, values[name].src, _ACTIVATION, k, name),
+            )
             for name in self.stage.received
         ]
         received = {}
@@ -188,7 +191,8 @@ class StageRuntime:
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"smp: model input {i} is {got}, but the pipeline was captured for {tuple(shape)} {dtype}; "
+                    f"smp: model input {i} is {got}, but the pipeline was captured for "
+                    f"{tuple(shape)} {dtype}; "
                     "every step must give the model inputs of the same shapes (pad to a fixed length and "
                     "keep the batch size fixed with DataLoader(drop_last=True))"
                 )

@@ -90,7 +90,8 @@ def step(
                 mb.resume()
                 if action.kind == "F" and core.pp_size() > 1 and mb.forward_calls == 0:
                     raise RuntimeError(
-                        f"smp.step: {fn.__name__} returned without calling the DistributedModel on microbatch "
+                        f"smp.step: {fn.__name__} returned without calling the DistributedModel on "
+                        f"microbatch "
                         f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
                     )
                 if action.kind == "B" and not mb.done:
@@ -116,9 +117,13 @@ def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axe
         if name in whole:
             split[name] = [value] * m
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            split[name] = _transpose([_split(v, m, axes.get(name, 0), f"{name}[{i}]") for i, v in enumerate(value)], tuple, m)
+            split[name] = _transpose(
+                [_split(v, m, axes.get(name, 0), f"{name}[{i}]") for i, v in enumerate(value)], tuple, m
+            )
         elif kind is inspect.Parameter.VAR_KEYWORD:
-            parts = {k: _split(v, m, axes.get(k, 0), k) if k not in whole else [v] * m for k, v in value.items()}
+            parts = {
+                k: _split(v, m, axes.get(k, 0), k) if k not in whole else [v] * m for k, v in value.items()
+            }
             split[name] = [{k: parts[k][i] for k in parts} for i in range(m)]
         else:
             split[name] = _split(value, m, axes.get(name, 0), name)

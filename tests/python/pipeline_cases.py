@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import copy
 
+import models
 import torch
 import torch.nn.functional as F
-
-import models
 
 LR = 1e-3
 
@@ -31,11 +30,21 @@ def _regression_batch(step, n, keys=("x",)):
 
 
 def twice_case():
-    return models.TwiceCalled(), _regression_batch, lambda m, b: m(b["x"]), lambda out, b: F.mse_loss(out, b["y"])
+    return (
+        models.TwiceCalled(),
+        _regression_batch,
+        lambda m, b: m(b["x"]),
+        lambda out, b: F.mse_loss(out, b["y"]),
+    )
 
 
 def skip_case():
-    return models.LongSkip(), _regression_batch, lambda m, b: m(b["x"]), lambda out, b: F.mse_loss(out, b["y"])
+    return (
+        models.LongSkip(),
+        _regression_batch,
+        lambda m, b: m(b["x"]),
+        lambda out, b: F.mse_loss(out, b["y"]),
+    )
 
 
 def dict_case():
@@ -69,18 +78,30 @@ def reference(case: str, steps: int, global_batch: int):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def train_smp(rank, world_size, case, config, steps, global_batch, options=None):
-    """Trains the case with smp on this rank; returns losses and errors against the reference."""
+def train_smp(rank, world_size, case, configs, steps, global_batch, options=None):
+    """Trains the case with smp under each config in turn (one smp.init each) on this rank.
+
+    Returns, per config, the losses' and final parameters' errors against one process
+    training the unsplit model on the same global batch.
+    """
     import smp
 
-    options = options or {}
-    smp.init(config)
     ref_losses, ref_params = reference(case, steps, global_batch)
-    torch.manual_seed(0)
+    results = []
+    for config in [configs] if isinstance(configs, dict) else configs:
+        smp.init(config)
+        results.append(_train_once(smp, case, steps, global_batch, options or {}, ref_losses, ref_params))
+        smp.core.reset()
+    return results[0] if isinstance(configs, dict) else results
+
+
+def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params):
+    # SMP v1 advised seeding with 42 + dp_rank; smp makes replicas equal by broadcasting from the first.
+    torch.manual_seed(smp.dp_rank() if options.get("seed_by_dp_rank") else 0)
     model, batch, forward, loss_fn = CASES[case]()
     for module_path, part in options.get("manual", {}).items():
         smp.set_partition(model.get_submodule(module_path), part)
-    dmodel = smp.DistributedModel(model)
+    dmodel = smp.DistributedModel(model, **options.get("model_kwargs", {}))
     if options.get("track_activations"):
         dmodel.track_saved_activations()
     opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=LR))
@@ -106,6 +127,7 @@ def train_smp(rank, world_size, case, config, steps, global_batch, options=None)
     local = dict(dmodel.local_named_parameters())
     param_err = max((local[n] - ref_params[n]).abs().max().item() for n in local)
     return {
+        "config": smp.core.state().config,
         "loss_err": loss_err,
         "param_err": param_err,
         "local": sorted(local),

@@ -1,0 +1,237 @@
+"""Pipeline parallelism end to end on CPU processes: parity with one process, memory, errors."""
+
+from __future__ import annotations
+
+import pipeline_cases
+import pytest
+import torch
+from harness import RankFailure, run_ranks
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (pipeline_parallel_degree, data-parallel degree)
+
+
+def _check_parity(results):
+    for r in results:
+        assert r["loss_err"] < LOSS_RTOL, r
+        assert r["param_err"] < PARAM_ATOL, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,dp", LAYOUTS)
+def test_gpt_parity(pp, dp):
+    # One launch per layout runs every schedule and microbatch count (smp.core.reset between).
+    configs = [
+        {"pipeline_parallel_degree": pp, "microbatches": m, "pipeline": schedule}
+        for schedule in ("interleaved", "simple")
+        for m in (1, 2, 4, 8)
+    ]
+    # Global batch 16: 8 (or 16) rows per replica divide into every microbatch count.
+    per_rank = run_ranks(pipeline_cases.train_smp, pp * dp, "gpt", configs, 3, 16, timeout=600)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(configs)
+        _check_parity(results)
+        # The tied embedding is replicated on the first and last stage, and only there.
+        stage = rank % pp
+        for r in results:
+            assert r["shared"] == ["tok.weight"]
+            assert ("tok.weight" in r["local"]) == (stage in (0, pp - 1)), (stage, r["local"])
+            assert ("ln_f.weight" in r["local"]) == (stage == pp - 1)
+
+
+@pytest.mark.parametrize("case", ["twice", "skip", "dict"])
+def test_model_shapes_parity(case):
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4}
+    results = run_ranks(pipeline_cases.train_smp, 2, case, config, 3, 8, timeout=180)
+    _check_parity(results)
+    if case == "twice":
+        # The submodule called at both ends is replicated on both stages.
+        assert results[0]["shared"] == ["shared.bias", "shared.weight"]
+
+
+def test_manual_partition_parity():
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False}
+    manual = {"blocks.3": 1, "ln_f": 1}
+    results = run_ranks(pipeline_cases.train_smp, 2, "gpt", config, 3, 8, {"manual": manual}, timeout=180)
+    _check_parity(results)
+    assert "blocks.2.mlp.0.weight" in results[0]["local"]
+    assert not any(n.startswith("blocks.2") for n in results[1]["local"])
+    assert "blocks.3.mlp.0.weight" in results[1]["local"]
+
+
+def test_replicas_seeded_differently_start_equal_and_measured_costs():
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    options = {"seed_by_dp_rank": True, "model_kwargs": {"trace_execution_times": True}}
+    _check_parity(run_ranks(pipeline_cases.train_smp, 4, "gpt", config, 2, 8, options, timeout=240))
+
+
+def test_partition_context_and_set_partition():
+    import smp
+    from smp.partitioning import module_partitions
+
+    with smp.partition(1):
+        outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        with smp.partition(0):
+            inner = torch.nn.Linear(2, 2)
+        outer.append(inner)
+    free = torch.nn.Linear(2, 2)
+    root = torch.nn.Sequential(outer, free)
+    assert module_partitions(root) == {"0": 1, "0.0": 1, "0.1": 0}
+    smp.set_partition(root, 2)
+    assert module_partitions(root) == {"": 2, "0": 1, "0.0": 1, "0.1": 0, "1": 2}
+    with pytest.raises(ValueError, match="partition index must be an int >= 0, got -1"):
+        smp.set_partition(free, -1)
+    assert type(torch.nn.Linear(1, 1)).__init__ is torch.nn.Linear.__init__
+    assert torch.nn.Module.__init__ is smp.partitioning._original_init
+
+
+def test_interleaved_bounds_saved_activations():
+    configs = [
+        {"pipeline_parallel_degree": 2, "microbatches": 8, "pipeline": schedule, "active_microbatches": 2}
+        for schedule in ("simple", "interleaved")
+    ]
+    options = {"track_activations": True}
+    for simple, interleaved in run_ranks(
+        pipeline_cases.train_smp, 2, "gpt", configs, 1, 16, options, timeout=180
+    ):
+        assert simple["activation_peak"] > 0
+        # At most 2 of 8 microbatches hold activations instead of all 8.
+        assert interleaved["activation_peak"] * 3 <= simple["activation_peak"], (interleaved, simple)
+
+
+def _state_and_api(rank, world_size):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    model, batch, forward, loss_fn = pipeline_cases.CASES["gpt"]()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    dmodel = smp.DistributedModel(model)
+
+    @smp.step(non_split_inputs=["scale"])
+    def evaluate(b, scale):
+        return loss_fn(forward(dmodel, b), b) * scale, forward_count(b)
+
+    def forward_count(b):
+        return b["ids"].shape[0]
+
+    with torch.no_grad():
+        losses, rows = evaluate(batch(0, 4), torch.tensor(2.0))
+    gathered = dmodel.state_dict()
+    local = dmodel.local_state_dict()
+    same = all(torch.equal(gathered[k], full[k]) for k in full) and list(gathered) == list(full)
+    # Loading the full state after partitioning sets only local tensors.
+    changed = {k: v + 1 for k, v in full.items()}
+    dmodel.load_state_dict(changed)
+    loaded = all(torch.equal(v, changed[k]) for k, v in dmodel.local_state_dict().items())
+    return {
+        "same": same,
+        "loaded": loaded,
+        "local_keys": sorted(local),
+        "full_keys": len(full),
+        "rows": rows.outputs,
+        "loss_mean": losses.reduce_mean().item(),
+        "loss_outputs": len(losses.outputs),
+        "report": dmodel.partition_report(),
+        "local_modules": len(dmodel.local_modules()),
+    }
+
+
+def test_state_dict_gather_and_load():
+    r0, r1 = run_ranks(_state_and_api, 2, timeout=120)
+    assert r0["same"] and r1["same"]
+    assert r0["loaded"] and r1["loaded"]
+    assert r0["rows"] == [2, 2] and r0["loss_outputs"] == 2
+    assert r0["loss_mean"] == pytest.approx(r1["loss_mean"])
+    assert set(r0["local_keys"]) | set(r1["local_keys"]) >= {k for k in r0["local_keys"]}
+    assert len(set(r0["local_keys"]) | set(r1["local_keys"])) == r0["full_keys"]
+    assert "stage 0" in r0["report"] and "tok.weight" in r0["report"]
+
+
+def _errors(rank, world_size):
+    import smp
+
+    smp.init({"microbatches": 2})
+    messages = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError, TypeError) as err:
+            messages[name] = str(err)
+
+    net = torch.nn.Linear(4, 1)
+    stale = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = smp.DistributedModel(net)
+    catch("outside", lambda: model(torch.zeros(2, 4)))
+    catch("backward_outside", lambda: model.backward(torch.zeros(())))
+    catch("stale_wrap", lambda: smp.DistributedOptimizer(stale))
+
+    @smp.step
+    def train(x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    catch("indivisible", lambda: train(torch.zeros(3, 4)))
+    catch("zero_dim", lambda: train(torch.tensor(1.0)))
+
+    def stale_step():
+        train(torch.zeros(2, 4))
+        stale.step()
+
+    catch("stale_step", stale_step)
+
+    @smp.step
+    def twice(x):
+        return model(x) + model(x)
+
+    catch("twice", lambda: twice(torch.zeros(2, 4)))
+
+    @smp.step
+    def backward_twice(x):
+        loss = model(x).sum()
+        model.backward(loss)
+        model.backward(loss)
+
+    catch("backward_twice", lambda: backward_twice(torch.zeros(2, 4)))
+    catch("bad_split_name", lambda: smp.step(non_split_inputs=["nope"])(lambda x: x))
+    # The step machinery still works after all those failures.
+    ok = train(torch.ones(2, 4)).reduce_sum().item()
+    return messages, ok
+
+
+def test_error_messages():
+    [(messages, ok)] = run_ranks(_errors, 1, timeout=120)
+    assert "inside a function decorated with @smp.step" in messages["outside"]
+    assert "model.backward(loss) can only be called inside" in messages["backward_outside"]
+    assert "before smp.DistributedModel wrapped it" in messages["stale_wrap"]
+    assert "model = smp.DistributedModel(MyModel())" in messages["stale_wrap"]
+    assert "batch size 3" in messages["indivisible"] and "2 microbatches" in messages["indivisible"]
+    assert "drop_last=True" in messages["indivisible"]
+    assert "0-dim" in messages["zero_dim"] and "non_split_inputs" in messages["zero_dim"]
+    assert "before smp.DistributedModel wrapped it" in messages["stale_step"]
+    assert "called twice" in messages["twice"]
+    assert "backward was called twice" in messages["backward_twice"]
+    assert "'nope'" in messages["bad_split_name"]
+    assert ok == pytest.approx(2 * 0.0 + ok)
+
+
+def _too_small(rank, world_size):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
+    model = smp.DistributedModel(torch.nn.Linear(4, 4))
+
+    @smp.step
+    def run(x):
+        return model(x)
+
+    run(torch.zeros(2, 4))
+
+
+def test_model_too_small_to_split():
+    with pytest.raises(RankFailure, match="model too small to split: 1 partitionable unit"):
+        run_ranks(_too_small, 2, timeout=120)
