@@ -191,6 +191,22 @@ def manual_partition(
     return plan_from_assignment(gm, stage, num_stages, colocate_shared)
 
 
+def follow_partition(
+    gm: fx.GraphModule, reference: PartitionPlan, colocate_shared: bool = False
+) -> PartitionPlan:
+    """Stages for another capture of the same model (its eval-mode graph, say) that follow `reference`.
+
+    A node named as in the reference graph keeps its stage; a node the reference lacks
+    (or one whose inputs now come from a later stage) runs on the latest stage of its inputs.
+    """
+    stage: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE_OPS:
+            inputs = [stage[p.name] for p in node.all_input_nodes if p.name in stage]
+            stage[node.name] = max([reference.node_stage.get(node.name, 0)] + inputs)
+    return plan_from_assignment(gm, stage, reference.num_stages, colocate_shared)
+
+
 # --- helpers --------------------------------------------------------------------
 
 

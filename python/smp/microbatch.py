@@ -31,6 +31,7 @@ class Microbatch:
         self.forward_calls = 0
         self.backward_calls = 0
         self.result: Any = None
+        self.runtime: Any = None  # the pipeline stage runtime its forward used (train or eval graph)
         self.done = False
         self._fn, self._args, self._kwargs = fn, args, kwargs
         self._error: BaseException | None = None

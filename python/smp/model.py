@@ -8,6 +8,7 @@ only its stage's parameters; later calls run the stage and exchange activations.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -66,7 +67,7 @@ class DistributedModel(nn.Module):
         _refresh_parameters(module)
         # The full state_dict's keys and, for tied tensors, the first key of each.
         self._keys = list(module.state_dict(keep_vars=True).keys())
-        self._runtime: StageRuntime | None = None
+        self._runtimes: dict[tuple[bool, ...], StageRuntime] = {}
         self._grad_sync: GradSync | None = None
         self._meter: activation_meter.SavedActivationMeter | None = None
         self._track_activations = False
@@ -96,7 +97,8 @@ class DistributedModel(nn.Module):
             return self.module(*args, **kwargs)
         if not self.partitioned:
             self._partition(args, kwargs)
-        pending = self._runtime.forward(mb.index, args, kwargs)
+        mb.runtime = self._runtime()
+        pending = mb.runtime.forward(mb.index, args, kwargs)
         mb.pause()
         return pending.wait()
 
@@ -134,15 +136,15 @@ class DistributedModel(nn.Module):
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         else:
-            self._runtime.backward(mb.index, tensors, grads)
+            mb.runtime.backward(mb.index, tensors, grads)
 
     def _start_step(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.start_step(self._config.microbatches)
 
     def _finish_step(self) -> None:
-        if self._runtime is not None:
-            self._runtime.finish_step()
+        for runtime in self._runtimes.values():
+            runtime.finish_step()
         if self._grad_sync is not None:
             self._grad_sync.finish_step()
 
@@ -157,12 +159,48 @@ class DistributedModel(nn.Module):
         self.partitioned = True
 
     def _partition(self, args: tuple, kwargs: dict) -> None:
+        """Captures, partitions and splits the model; frees what this rank's stage does not use.
+
+        The graph is captured twice, in the current train/eval mode and in the opposite one,
+        while every parameter still exists: switching modes later picks the other graph.
+        """
         cfg = self._config
-        stage, num_stages = core.pp_rank(), core.pp_size()
+        stage = core.pp_rank()
         device = _input_device(args, kwargs)
         self.module.to(device)
         captured = passes.capture(self.module, args, kwargs)
-        gm = captured.graph_module
+        plan = self._plan(captured, args, kwargs)
+        modes = {_training_flags(self.module): (captured, plan)}
+        with _opposite_mode(self.module) as flags:
+            other = passes.capture(self.module, args, kwargs)
+            modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
+        pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
+        plans = [p for _, p in modes.values()]
+        self._keep_local(captured.graph_module, pipes.values(), plans, stage)
+        shared = self._shared_groups(captured.graph_module, plans, stage)
+        dp_group = self._broadcast_from_first_replica(
+            list(self.module.parameters()) + list(self.module.buffers())
+        )
+        for _, p, group in shared:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, shared, self._bucket_cap_mb)
+        self._grad_sync.start_step(cfg.microbatches)
+        self._meter = activation_meter.SavedActivationMeter(self.module.parameters())
+        self._runtimes = {
+            flags: StageRuntime(
+                pipe, stage, core.get_pp_process_group(), core.get_pp_group(), cfg.microbatches, device
+            )
+            for flags, pipe in pipes.items()
+        }
+        self.track_saved_activations(self._track_activations)
+        self.partition_plan = plan
+        self.partitioned = True
+        if cfg.debug and core.rank() == 0:
+            print(plan.report(), flush=True)
+
+    def _plan(self, captured, args: tuple, kwargs: dict) -> passes.PartitionPlan:
+        cfg = self._config
+        gm, num_stages = captured.graph_module, core.pp_size()
         seconds = None
         if self._trace_execution_times:
             seconds = passes.cost.measure_seconds(gm, captured.flatten_inputs(args, kwargs))
@@ -184,33 +222,30 @@ class DistributedModel(nn.Module):
             plan = passes.partition.plan_from_assignment(
                 gm, agreed[0], num_stages, cfg.colocate_shared_parameters
             )
-        pipe = passes.split(captured, plan)
-        self._keep_local(gm, pipe, plan, stage)
-        shared = self._shared_groups(gm, plan, stage)
-        dp_group = self._broadcast_from_first_replica(
-            list(self.module.parameters()) + list(self.module.buffers())
-        )
-        for _, p, group in shared:
-            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
-        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, shared, self._bucket_cap_mb)
-        self._grad_sync.start_step(cfg.microbatches)
-        self._runtime = StageRuntime(
-            pipe, stage, core.get_pp_process_group(), core.get_pp_group(), cfg.microbatches, device
-        )
-        self._meter = activation_meter.SavedActivationMeter(self.module.parameters())
-        self._runtime.meter = self._meter if self._track_activations else None
-        self.partition_plan = plan
-        self.partitioned = True
-        if cfg.debug and core.rank() == 0:
-            print(plan.report(), flush=True)
+        return plan
 
-    def _keep_local(self, gm, pipe, plan, stage: int) -> None:
-        """Frees every parameter and buffer that this rank's stage does not use (stage 0 also keeps
-        the ones no stage uses)."""
+    def _runtime(self) -> StageRuntime:
+        flags = _training_flags(self.module)
+        if flags not in self._runtimes:
+            raise RuntimeError(
+                "smp: the pipeline was captured with every module in train mode or every module in eval "
+                "mode (as set when the first step ran, and its opposite); this mix of train/eval modules "
+                "is neither. Set the modes before the first step, or use model.train() / model.eval()"
+            )
+        return self._runtimes[flags]
+
+    def _keep_local(self, gm, pipes, plans, stage: int) -> None:
+        """Frees every parameter and buffer that this rank's stage does not use in any mode (stage 0
+        also keeps the ones no stage uses)."""
         params = dict(gm.named_parameters(remove_duplicate=False))
-        attrs = {s.index: {id(t) for t in _attr_tensors(s.module)} for s in pipe.stages}
-        used = set().union(*attrs.values())
-        keep = attrs[stage] | {id(params[name]) for name in plan.stage_parameters[stage]}
+        keep: set[int] = set()
+        used: set[int] = set()
+        for pipe, plan in zip(pipes, plans, strict=True):
+            for s in pipe.stages:
+                ids = {id(t) for t in _attr_tensors(s.module)}
+                used |= ids
+                if s.index == stage:
+                    keep |= ids | {id(params[name]) for name in plan.stage_parameters[stage]}
         for owner in self.module.modules():
             for table in (owner._parameters, owner._buffers):
                 for name, t in list(table.items()):
@@ -220,15 +255,20 @@ class DistributedModel(nn.Module):
                         t._smp_nonlocal = True
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
                     table[name] = None
-        for s in pipe.stages:
-            if s.index != stage:
-                s.module = None
+        for pipe in pipes:
+            for s in pipe.stages:
+                if s.index != stage:
+                    s.module = None
 
-    def _shared_groups(self, gm, plan, stage: int):
+    def _shared_groups(self, gm, plans, stage: int):
         """Process groups joining the replicas of each shared parameter (created on every rank, in order)."""
-        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        sharing: dict[str, set[int]] = {}
+        for plan in plans:
+            for name, stages in plan.shared_parameters.items():
+                sharing.setdefault(name, set()).update(stages)
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         pp_groups = core.state().topology.all_groups(CommGroup.PP_GROUP)
-        for stages in sorted({tuple(s) for s in plan.shared_parameters.values()}):
+        for stages in sorted({tuple(sorted(s)) for s in sharing.values()}):
             for ranks in pp_groups:
                 members = [ranks[s] for s in stages]
                 group = dist.new_group(members, backend=BACKEND_NAME)
@@ -236,9 +276,9 @@ class DistributedModel(nn.Module):
                     groups[stages] = group
         shared = []
         params = dict(gm.named_parameters(remove_duplicate=False))
-        for name, stages in sorted(plan.shared_parameters.items()):
+        for name, stages in sorted(sharing.items()):
             if stage in stages and params[name].requires_grad:
-                shared.append((name, params[name], groups[tuple(stages)]))
+                shared.append((name, params[name], groups[tuple(sorted(stages))]))
         return shared
 
     def _broadcast_from_first_replica(self, tensors: list[torch.Tensor]) -> dist.ProcessGroup | None:
@@ -315,8 +355,8 @@ class DistributedModel(nn.Module):
     def track_saved_activations(self, enabled: bool = True) -> None:
         """Counts bytes saved for backward by this rank's stage (see saved_activation_bytes)."""
         self._track_activations = enabled
-        if self._runtime is not None:
-            self._runtime.meter = self._meter if enabled else None
+        for runtime in self._runtimes.values():
+            runtime.meter = self._meter if enabled else None
 
     def saved_activation_bytes(self) -> dict[str, int]:
         meter = self._meter
@@ -344,6 +384,22 @@ def _refresh_parameters(module: nn.Module) -> None:
                 fresh[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
                 p._smp_replaced = True
             m._parameters[name] = fresh[id(p)]
+
+
+def _training_flags(module: nn.Module) -> tuple[bool, ...]:
+    return tuple(m.training for m in module.modules())
+
+
+@contextlib.contextmanager
+def _opposite_mode(module: nn.Module):
+    """Every module in the opposite of the root's train/eval mode; yields those flags, then restores."""
+    before = [(m, m.training) for m in module.modules()]
+    module.train(not module.training)
+    try:
+        yield _training_flags(module)
+    finally:
+        for m, training in before:
+            m.training = training
 
 
 def _input_device(args: tuple, kwargs: dict) -> torch.device:

@@ -117,3 +117,21 @@ class DictInTupleOut(nn.Module):
 def lm_loss(logits, ids):
     """Next-token cross entropy."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+class Normed(nn.Module):
+    """BatchNorm: train mode normalizes by batch statistics and updates running buffers, eval mode
+    uses the buffers, so the two modes capture different graphs."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(2))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        x = self.norm(self.inp(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)

@@ -58,7 +58,11 @@ def dict_case():
     return models.DictInTupleOut(), batch, lambda m, b: m({"x": b["x"], "gate": b["gate"]}), loss
 
 
-CASES = {"gpt": gpt_case, "twice": twice_case, "skip": skip_case, "dict": dict_case}
+def normed_case():
+    return models.Normed(), _regression_batch, lambda m, b: m(b["x"]), lambda out, b: F.mse_loss(out, b["y"])
+
+
+CASES = {"gpt": gpt_case, "twice": twice_case, "skip": skip_case, "dict": dict_case, "normed": normed_case}
 
 
 def reference(case: str, steps: int, global_batch: int):

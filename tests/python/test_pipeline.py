@@ -150,6 +150,64 @@ def test_state_dict_gather_and_load():
     assert "stage 0" in r0["report"] and "tok.weight" in r0["report"]
 
 
+def _train_then_eval(rank, world_size):
+    import copy
+
+    import smp
+
+    # One microbatch: BatchNorm's batch statistics then match the unsplit model's.
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
+    torch.manual_seed(0)
+    model, batch, forward, loss_fn = pipeline_cases.CASES["normed"]()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    dmodel = smp.DistributedModel(model)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(dmodel.parameters(), lr=0.1))
+
+    @smp.step
+    def train(b):
+        loss = loss_fn(forward(dmodel, b), b)
+        dmodel.backward(loss)
+        return loss
+
+    @smp.step
+    def predict(b):
+        return forward(dmodel, b)
+
+    for s in range(2):
+        b = batch(s, 8)
+        ref_opt.zero_grad()
+        loss_fn(forward(reference, b), b).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        train(b)
+        opt.step()
+    dmodel.eval()
+    reference.eval()
+    b = batch(5, 8)
+    ref_state = {k: v.clone() for k, v in reference.state_dict().items()}
+    with torch.no_grad():
+        got = predict(b).concat()
+        expected = forward(reference, b)
+        train_mode = forward(reference.train(), b)  # (updates the reference's running statistics)
+    buffers = {
+        k: (v - ref_state[k]).abs().max().item()
+        for k, v in dmodel.local_state_dict().items()
+        if "running" in k
+    }
+    return (got - expected).abs().max().item(), (got - train_mode).abs().max().item(), buffers
+
+
+def test_eval_mode_after_training_uses_the_eval_graph():
+    results = run_ranks(_train_then_eval, 2, timeout=120)
+    for eval_err, train_gap, buffers in results:
+        assert eval_err < 1e-5
+        assert train_gap > 1e-3  # the modes really differ for this model
+        assert all(err < 1e-6 for err in buffers.values()), buffers
+    # The running statistics live on exactly one stage and were updated like the reference's.
+    assert sum(len(buffers) for _, _, buffers in results) == 2
+
+
 def _errors(rank, world_size):
     import smp
 
