@@ -27,6 +27,8 @@ class _State:
     # A world group of its own for object messaging, so it never interleaves with
     # the user's point-to-point traffic on the default group.
     messaging_group: dist.ProcessGroup
+    # The script's smp.DistributedModel (SMP v1 allows one per process).
+    model: Any = None
 
 
 _state: _State | None = None

@@ -23,21 +23,19 @@ from smp.partitioning import module_partitions
 from smp.pipeline import StageRuntime
 from smp.topology import CommGroup
 
-_current: DistributedModel | None = None
-
 
 def current() -> DistributedModel | None:
-    return _current
+    return core.state().model if core.is_initialized() else None
 
 
 def start_step() -> None:
-    if _current is not None:
-        _current._start_step()
+    if current() is not None:
+        current()._start_step()
 
 
 def finish_step() -> None:
-    if _current is not None:
-        _current._finish_step()
+    if current() is not None:
+        current()._finish_step()
 
 
 class DistributedModel(nn.Module):
@@ -58,6 +56,11 @@ class DistributedModel(nn.Module):
         if not isinstance(module, nn.Module) or isinstance(module, DistributedModel):
             raise TypeError(f"smp.DistributedModel wraps a plain nn.Module once, got {type(module).__name__}")
         st = core.state()
+        if st.model is not None:
+            raise RuntimeError(
+                "smp: a DistributedModel already exists in this process; SMP allows one per script: "
+                "wrap the whole model once (put several networks in one nn.Module)"
+            )
         super().__init__()
         self.module = module
         self._config = st.config
@@ -73,8 +76,7 @@ class DistributedModel(nn.Module):
         self._track_activations = False
         self.partition_plan: passes.PartitionPlan | None = None
         self.partitioned = False
-        global _current
-        _current = self
+        st.model = self
         if core.pp_size() == 1:
             self._place_whole()
 

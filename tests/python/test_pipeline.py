@@ -226,6 +226,7 @@ def _errors(rank, world_size):
     catch("outside", lambda: model(torch.zeros(2, 4)))
     catch("backward_outside", lambda: model.backward(torch.zeros(())))
     catch("stale_wrap", lambda: smp.DistributedOptimizer(stale))
+    catch("second_model", lambda: smp.DistributedModel(torch.nn.Linear(1, 1)))
 
     @smp.step
     def train(x):
@@ -267,6 +268,7 @@ def test_error_messages():
     assert "model.backward(loss) can only be called inside" in messages["backward_outside"]
     assert "before smp.DistributedModel wrapped it" in messages["stale_wrap"]
     assert "model = smp.DistributedModel(MyModel())" in messages["stale_wrap"]
+    assert "a DistributedModel already exists" in messages["second_model"]
     assert "batch size 3" in messages["indivisible"] and "2 microbatches" in messages["indivisible"]
     assert "drop_last=True" in messages["indivisible"]
     assert "0-dim" in messages["zero_dim"] and "non_split_inputs" in messages["zero_dim"]
