@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 
+import smp
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import smp
 
 
 class TinyLM(nn.Module):
