@@ -29,22 +29,8 @@ def _regression_batch(step, n, keys=("x",)):
     return out
 
 
-def twice_case():
-    return (
-        models.TwiceCalled(),
-        _regression_batch,
-        lambda m, b: m(b["x"]),
-        lambda out, b: F.mse_loss(out, b["y"]),
-    )
-
-
-def skip_case():
-    return (
-        models.LongSkip(),
-        _regression_batch,
-        lambda m, b: m(b["x"]),
-        lambda out, b: F.mse_loss(out, b["y"]),
-    )
+def _regression_case(model):
+    return model, _regression_batch, lambda m, b: m(b["x"]), lambda out, b: F.mse_loss(out, b["y"])
 
 
 def dict_case():
@@ -58,11 +44,13 @@ def dict_case():
     return models.DictInTupleOut(), batch, lambda m, b: m({"x": b["x"], "gate": b["gate"]}), loss
 
 
-def normed_case():
-    return models.Normed(), _regression_batch, lambda m, b: m(b["x"]), lambda out, b: F.mse_loss(out, b["y"])
-
-
-CASES = {"gpt": gpt_case, "twice": twice_case, "skip": skip_case, "dict": dict_case, "normed": normed_case}
+CASES = {
+    "gpt": gpt_case,
+    "twice": lambda: _regression_case(models.TwiceCalled()),
+    "skip": lambda: _regression_case(models.LongSkip()),
+    "normed": lambda: _regression_case(models.Normed()),
+    "dict": dict_case,
+}
 
 
 def reference(case: str, steps: int, global_batch: int):
