@@ -4,6 +4,11 @@ exchanges with the other stages of its pipeline group, one microbatch at a time.
 Messages are point-to-point on the pipeline group, tagged by (kind, microbatch,
 value), so they match whatever order the stages post them in. Shapes and dtypes
 come from the capture; no message carries metadata and no stage waits on a shape.
+
+CUDA activations are staged through host memory and travel over Gloo: NCCL
+matches point-to-point operations by issue order, not by tag, and 1F1B issues
+sends and receives between two stages in different orders on each side, which can
+deadlock NCCL once messages outgrow its buffers. Tagged Gloo cannot deadlock.
 """
 
 from __future__ import annotations
@@ -15,28 +20,37 @@ import torch
 import torch.distributed as dist
 
 from smp import activation_meter
-from smp.passes import PipelineGraph
+from smp.passes import PipelineGraph, Value
 
 _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
+
+
+class _Incoming:
+    """A posted receive; wait() gives the tensor on the stage's device."""
+
+    def __init__(self, buffer: torch.Tensor, work: dist.Work, device: torch.device):
+        self._buffer, self._work, self._device = buffer, work, device
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._buffer.to(self._device)
 
 
 @dataclasses.dataclass
 class _InFlight:
     received: dict[str, torch.Tensor]  # leaves standing for values of earlier stages
     produced: dict[str, torch.Tensor]
-    output_recvs: list[tuple[int, torch.Tensor, dist.Work]]  # (output position, buffer, work)
 
 
 class PendingOutputs:
     """The model's return value for one microbatch; outputs of other stages arrive by wait()."""
 
-    def __init__(self, pipe: PipelineGraph, leaves: list[Any], recvs, requires_grad: list[bool]):
-        self._pipe, self._leaves, self._recvs, self._requires_grad = pipe, leaves, recvs, requires_grad
+    def __init__(self, pipe: PipelineGraph, leaves: list[Any], incoming: list[tuple[int, _Incoming, bool]]):
+        self._pipe, self._leaves, self._incoming = pipe, leaves, incoming
 
     def wait(self) -> Any:
-        for position, buffer, work in self._recvs:
-            work.wait()
-            self._leaves[position] = buffer.requires_grad_(self._requires_grad[position])
+        for position, message, requires_grad in self._incoming:
+            self._leaves[position] = message.wait().requires_grad_(requires_grad)
         return self._pipe.unflatten_outputs(self._leaves)
 
 
@@ -73,17 +87,13 @@ class StageRuntime:
         flat = self.pipe.captured.flatten_inputs(args, kwargs)
         self._check_inputs(flat)
         values = self.pipe.values
-        recvs = [
-            (
-                name,
-                *self._recv(values[name].shape, values[name].dtype, values[name].src, _ACTIVATION, k, name),
-            )
-            for name in self.stage.received
-        ]
-        received = {}
-        for name, buffer, work in recvs:
-            work.wait()
-            received[name] = buffer.requires_grad_(values[name].requires_grad)
+        incoming = {
+            name: self._recv(values[name], values[name].src, _ACTIVATION, k) for name in self.stage.received
+        }
+        received = {
+            name: message.wait().requires_grad_(values[name].requires_grad)
+            for name, message in incoming.items()
+        }
         stage_inputs = [self._to_device(flat[i]) for i in self.stage.inputs]
         stage_inputs += [received[name] for name in self.stage.received]
         with torch.autograd.set_grad_enabled(torch.is_grad_enabled()):  # the graph may switch grad mode
@@ -102,9 +112,8 @@ class StageRuntime:
                 for dst in range(len(self._ranks)):
                     if dst != self.index:
                         self._send(data, dst, _OUTPUT, k, name)
-        leaves, output_recvs, requires_grad = [], [], []
+        leaves, outputs = [], []
         for position, leaf in enumerate(self.pipe.outputs):
-            requires_grad.append(False)
             if leaf.kind == "const":
                 leaves.append(leaf.ref)
             elif leaf.kind == "input":
@@ -113,12 +122,10 @@ class StageRuntime:
                 leaves.append(produced[leaf.ref])
             else:
                 value = values[leaf.ref]
-                buffer, work = self._recv(value.shape, value.dtype, value.src, _OUTPUT, k, leaf.ref)
                 leaves.append(None)
-                output_recvs.append((position, buffer, work))
-                requires_grad[position] = value.requires_grad
-        self._in_flight[k] = _InFlight(received, produced, output_recvs)
-        return PendingOutputs(self.pipe, leaves, output_recvs, requires_grad)
+                outputs.append((position, self._recv(value, value.src, _OUTPUT, k), value.requires_grad))
+        self._in_flight[k] = _InFlight(received, produced)
+        return PendingOutputs(self.pipe, leaves, outputs)
 
     # --- backward -----------------------------------------------------------
 
@@ -131,16 +138,16 @@ class StageRuntime:
             if t.requires_grad:
                 roots.append(t)
                 root_grads.append(g)
-        recvs = []
-        for name in self.stage.produced:
-            value = values[name]
-            if value.requires_grad:
-                for src in value.consumers:
-                    recvs.append((name, *self._recv(value.shape, value.dtype, src, _GRADIENT, k, name)))
+        incoming = [
+            (name, self._recv(values[name], src, _GRADIENT, k))
+            for name in self.stage.produced
+            if values[name].requires_grad
+            for src in values[name].consumers
+        ]
         summed: dict[str, torch.Tensor] = {}
-        for name, buffer, work in recvs:
-            work.wait()
-            summed[name] = buffer if name not in summed else summed[name] + buffer
+        for name, message in incoming:
+            grad = message.wait()
+            summed[name] = grad if name not in summed else summed[name] + grad
         for name, grad in summed.items():
             tensor = state.produced[name]
             if tensor.requires_grad:
@@ -171,14 +178,15 @@ class StageRuntime:
         return (kind * self._microbatches + k) * len(self._value_id) + self._value_id[name]
 
     def _send(self, tensor: torch.Tensor, dst_stage: int, kind: int, k: int, name: str) -> None:
-        self._sends.append(
-            dist.isend(tensor, dst=self._ranks[dst_stage], group=self._group, tag=self._tag(kind, k, name))
-        )
+        tag = self._tag(kind, k, name)
+        self._sends.append(dist.isend(tensor.cpu(), dst=self._ranks[dst_stage], group=self._group, tag=tag))
 
-    def _recv(self, shape, dtype, src_stage: int, kind: int, k: int, name: str):
-        buffer = torch.empty(shape, dtype=dtype, device=self._device)
-        work = dist.irecv(buffer, src=self._ranks[src_stage], group=self._group, tag=self._tag(kind, k, name))
-        return buffer, work
+    def _recv(self, value: Value, src_stage: int, kind: int, k: int) -> _Incoming:
+        buffer = torch.empty(value.shape, dtype=value.dtype)
+        tag = self._tag(kind, k, value.name)
+        return _Incoming(
+            buffer, dist.irecv(buffer, src=self._ranks[src_stage], group=self._group, tag=tag), self._device
+        )
 
     def _to_device(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device != self._device:
