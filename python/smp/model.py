@@ -39,6 +39,17 @@ def finish_step() -> None:
 
 
 class DistributedModel(nn.Module):
+    """SMP v1's DistributedModel (one per process).
+
+    Effective arguments: trace_execution_times (partition by measured op times instead
+    of FLOPs), average_grads_across_microbatches, bucket_cap_mb (data-parallel
+    buckets), broadcast_buffers (replicas take the first replica's buffers every step).
+    Accepted for SMP scripts, without effect: trace_device (the capture runs where the
+    first microbatch's tensors are), trace_memory_usage, overlapping_allreduce (buckets
+    always start during backward), find_unused_parameters (unused parameters are always
+    handled), gradient_as_bucket_view. backward_passes_per_step must be 1.
+    """
+
     def __init__(
         self,
         module: nn.Module,
@@ -61,14 +72,20 @@ class DistributedModel(nn.Module):
                 "smp: a DistributedModel already exists in this process; SMP allows one per script: "
                 "wrap the whole model once (put several networks in one nn.Module)"
             )
+        if backward_passes_per_step != 1:
+            raise ValueError(
+                f"smp.DistributedModel: backward_passes_per_step={backward_passes_per_step} is not "
+                "supported; use 1 and raise `microbatches` to accumulate gradients over more samples per step"
+            )
         super().__init__()
         self.module = module
         self._config = st.config
+        self._broadcast_buffers = broadcast_buffers
         self._trace_execution_times = trace_execution_times
         self._average_microbatches = average_grads_across_microbatches
         self._bucket_cap_mb = bucket_cap_mb
         _refresh_parameters(module)
-        # The full state_dict's keys and, for tied tensors, the first key of each.
+        # The full state_dict's keys, in order (tied tensors appear under each name).
         self._keys = list(module.state_dict(keep_vars=True).keys())
         self._runtimes: dict[tuple[bool, ...], StageRuntime] = {}
         self._grad_sync: GradSync | None = None
@@ -143,6 +160,9 @@ class DistributedModel(nn.Module):
     def _start_step(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.start_step(self._config.microbatches)
+        if self._broadcast_buffers and self.partitioned:
+            # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
+            self._broadcast_from_first_replica(list(self.module.buffers()))
 
     def _finish_step(self) -> None:
         for runtime in self._runtimes.values():

@@ -227,6 +227,9 @@ def _errors(rank, world_size):
     catch("backward_outside", lambda: model.backward(torch.zeros(())))
     catch("stale_wrap", lambda: smp.DistributedOptimizer(stale))
     catch("second_model", lambda: smp.DistributedModel(torch.nn.Linear(1, 1)))
+    smp.core.state().model = None
+    catch("passes_per_step", lambda: smp.DistributedModel(torch.nn.Linear(1, 1), backward_passes_per_step=2))
+    smp.core.state().model = model
 
     @smp.step
     def train(x):
@@ -269,6 +272,7 @@ def test_error_messages():
     assert "before smp.DistributedModel wrapped it" in messages["stale_wrap"]
     assert "model = smp.DistributedModel(MyModel())" in messages["stale_wrap"]
     assert "a DistributedModel already exists" in messages["second_model"]
+    assert "backward_passes_per_step=2 is not supported" in messages["passes_per_step"]
     assert "batch size 3" in messages["indivisible"] and "2 microbatches" in messages["indivisible"]
     assert "drop_last=True" in messages["indivisible"]
     assert "0-dim" in messages["zero_dim"] and "non_split_inputs" in messages["zero_dim"]
