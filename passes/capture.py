@@ -29,14 +29,26 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     # requires_grad of each flat input leaf at capture time (False for non-tensors).
     input_requires_grad: list[bool]
+    # The non-tensor input leaves (ints, flags, None): the graph is specialized to them.
+    input_constants: dict[int, Any] = dataclasses.field(default_factory=dict)
+    keyword_order: list[str] = dataclasses.field(default_factory=list)
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        """The flat input leaves of a call, checked against the capture's structure and constants."""
+        ordered = {k: kwargs[k] for k in self.keyword_order if k in kwargs} | kwargs  # keyword order is free
+        leaves, spec = pytree.tree_flatten((tuple(args), ordered))
         if spec != self.in_spec:
             raise ValueError(
                 f"smp: the model was captured for inputs structured as {self.in_spec}, but was called with "
                 f"{spec}; call the model with the same arguments (names, nesting) on every step"
             )
+        for i, constant in self.input_constants.items():
+            if not _same(leaves[i], constant):
+                raise ValueError(
+                    f"smp: model input {i} is {leaves[i]!r}, but the graph was captured with {constant!r}; "
+                    "non-tensor arguments are fixed at capture: pass the same value on every step, or pass "
+                    "it as a tensor"
+                )
         return leaves
 
     def output_nodes(self) -> list[Any]:
@@ -56,16 +68,22 @@ def capture(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = Non
         program = torch.export.export(module, tuple(args), kwargs, strict=False)
     except Exception as err:  # the tracer raises many types; all mean "cannot capture"
         raise CaptureError(_capture_failure_message(module, err)) from err
-    gm = program.module()
+    try:
+        gm = program.module(check_guards=False)
+    except TypeError:  # torch < 2.14 has no check_guards
+        gm = program.module()
     _drop_guard_calls(gm)
-    # Replace the pytree calling convention with a flat one: stages are built
-    # from this graph and exchange flat values.
-    gm.graph._codegen = fx.graph.CodeGen()
-    gm.recompile()
-    in_spec = program.call_spec.in_spec
-    leaves, _ = pytree.tree_flatten((tuple(args), kwargs))
+    leaves, in_spec = pytree.tree_flatten((tuple(args), kwargs))
     requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
-    return CapturedGraph(gm, in_spec, program.call_spec.out_spec, requires_grad)
+    constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+    return CapturedGraph(gm, in_spec, program.call_spec.out_spec, requires_grad, constants, list(kwargs))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # values without a usable ==: only the same object counts
+        return a is b
 
 
 def _drop_guard_calls(gm: fx.GraphModule) -> None:

@@ -72,9 +72,15 @@ def measure_seconds(gm: fx.GraphModule, flat_inputs: list, repeats: int = 3) -> 
             best[n.name] = min(best.get(n.name, math.inf), elapsed)
             return result
 
-    with torch.no_grad():
+    # The graph may update buffers (BatchNorm statistics) or inputs in place: time it on
+    # copies of the inputs, put the buffers back, and leave the random state as it was.
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for _ in range(repeats):
-            Timer(gm).run(*flat_inputs)
+            inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+            Timer(gm).run(*inputs)
+        for name, b in gm.named_buffers():
+            b.copy_(buffers[name])
     return best
 
 

@@ -128,21 +128,21 @@ def auto_partition(
     _, params = parameter_aliases(gm)
     param_bytes = {n: p.numel() * p.element_size() for n, p in params.items()}
     candidates = []
-    previous = -1
-    depth = 1
-    while True:
+    previous: list[str] | None = None
+    deepest = max((len(_module_stack(n)) for n in gm.graph.nodes), default=0)
+    for depth in range(1, max(deepest, 1) + 1):
         units = _absorb_glue(segments(gm, depth))
         if depth == 1:
             top_units = units
         if colocate_shared:
             units = _merge_shared(units)
-        if len(units) == previous:
-            break
-        previous = len(units)
+        keys = [u.key for u in units]
+        if keys == previous:
+            continue  # a wrapper module adds depth without new units
+        previous = keys
         if len(units) >= num_stages:
             bounds, stage_cost = _balance(units, num_stages, memory_weight, param_bytes)
             candidates.append((max(stage_cost), depth, units, bounds, stage_cost))
-        depth += 1
     if not candidates:
         raise PartitionError(_too_small_message(top_units, num_stages, colocate_shared))
     best = min(c[0] for c in candidates)
@@ -210,12 +210,14 @@ def follow_partition(
 # --- helpers --------------------------------------------------------------------
 
 
+def _module_stack(node: fx.Node) -> list[str]:
+    """The paths of the modules a node runs in, outermost first, without the root."""
+    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
+
+
 def _module_path(node: fx.Node, depth: int) -> str:
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    if not stack:
-        return ""
-    path = stack[min(depth, len(stack) - 1)][0]
-    return path
+    stack = _module_stack(node)
+    return stack[min(depth, len(stack)) - 1] if stack else ""
 
 
 def _explicit_stage(node: fx.Node, module_stage: Mapping[str, int]) -> int | None:
@@ -359,6 +361,12 @@ def plan_from_assignment(
     aliases, params = parameter_aliases(gm)
     users: dict[str, set[int]] = {}
     units: list[list[str]] = [[] for _ in range(num_stages)]
+    # Name each stage's modules at the shallowest depth where a module belongs to one stage only.
+    stages_of: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.name in node_stage:
+            for path in _module_stack(node):
+                stages_of.setdefault(path, set()).add(node_stage[node.name])
     for node in gm.graph.nodes:
         if node.name not in node_stage:
             continue
@@ -366,7 +374,8 @@ def plan_from_assignment(
         for attr in _attr_inputs(node):
             if attr.target in aliases:
                 users.setdefault(aliases[attr.target], set()).add(s)
-        unit = _module_path(node, 1) or "<root>"
+        stack = _module_stack(node)
+        unit = next((path for path in stack if len(stages_of[path]) == 1), stack[-1] if stack else "<root>")
         if unit not in units[s]:
             units[s].append(unit)
     shared = {p: sorted(s) for p, s in users.items() if len(s) > 1}

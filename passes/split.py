@@ -163,10 +163,32 @@ def _stage_module(gm, nodes, num_stages, s, stage_of, input_index, values) -> St
 
     for node in mine:
         env[node.name] = graph.node_copy(node, lookup)
+    for name in received:
+        _clone_if_mutated(graph, env[name])
     graph.output(tuple(env[name] for name in produced))
     graph.lint()
     module = fx.GraphModule(attrs, graph, class_name=f"Stage{s}")
     return StageModule(s, module, inputs, received, produced)
+
+
+def _clone_if_mutated(graph: fx.Graph, placeholder: fx.Node) -> None:
+    """A received value is an autograd leaf on its stage, and leaves may not be modified in
+    place (`relu_`, `x += pos` at the start of a stage): such stages work on a copy."""
+    if not any(_writes(user, placeholder) for user in placeholder.users):
+        return
+    with graph.inserting_after(placeholder):
+        copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
+    placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+
+
+def _writes(node: fx.Node, value: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    bound = list(zip(schema.arguments, node.args, strict=False)) + [
+        (a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs
+    ]
+    return any(arg is value and a.alias_info is not None and a.alias_info.is_write for a, arg in bound)
 
 
 def _is_grad_mode_switch(node: fx.Node) -> bool:

@@ -34,21 +34,16 @@ class GradSync:
         self._counts: dict[int, int] = {}
         self._pending: list[int] = []
         self._launched: list[tuple[list[torch.nn.Parameter], torch.Tensor, dist.Work]] = []
-        self._backwards = 0
 
     def start_step(self, expected_backwards: int) -> None:
         self._expected = expected_backwards
         self._counts = {}
         self._pending = [0] * len(self._buckets)
         self._launched = []
-        self._backwards = 0
-
-    def note_backward(self) -> None:
-        self._backwards += 1
 
     def finish_step(self) -> None:
-        if self._backwards == 0:
-            return  # a forward-only step: nothing to synchronize
+        if not self._counts:
+            return  # no gradient was accumulated: a forward-only step
         while len(self._launched) < len(self._buckets):
             self._launch(len(self._launched))
         for bucket, flat, work in self._launched:
@@ -68,10 +63,6 @@ class GradSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         key = id(p)

@@ -8,6 +8,7 @@ pauses at the end of its model forward; the scheduler resumes it for its backwar
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,10 +37,16 @@ class Microbatch:
         self._fn, self._args, self._kwargs = fn, args, kwargs
         self._error: BaseException | None = None
         self._aborted = False
+        self._paused = False
         self._turn = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
-        # The thread starts with the caller's grad mode and CUDA device, which are per thread.
+        # The thread starts with the caller's grad mode, autocast and CUDA device, which are per thread.
         self._grad_enabled = torch.is_grad_enabled()
+        self._autocast = [
+            (device, torch.get_autocast_dtype(device))
+            for device in ("cpu", "cuda")
+            if torch.is_autocast_enabled(device)
+        ]
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._thread = threading.Thread(target=self._main, name=f"smp-microbatch-{index}", daemon=True)
 
@@ -57,20 +64,22 @@ class Microbatch:
 
     def pause(self) -> None:
         """Hands control back to the scheduler until resume() (called on this microbatch's thread)."""
+        self._paused = True
         self._back.release()
         self._turn.acquire()
+        self._paused = False
         if self._aborted:
             raise Aborted()
 
     def abort(self) -> None:
-        if not self._thread.is_alive():
-            return
+        """Unwinds a paused microbatch. One still running (the step was interrupted while it waited
+        on a message) is left to its daemon thread: waiting for it could hang."""
         self._aborted = True
-        if not self.done:
+        if self._paused:
             self._turn.release()
             self._back.acquire()
             self._error = None
-        self._thread.join(timeout=5)
+            self._thread.join(timeout=5)
 
     def _main(self) -> None:
         self._turn.acquire()
@@ -80,7 +89,10 @@ class Microbatch:
                 raise Aborted()
             if self._device is not None:
                 torch.cuda.set_device(self._device)
-            with torch.set_grad_enabled(self._grad_enabled):
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(torch.set_grad_enabled(self._grad_enabled))
+                for device, dtype in self._autocast:
+                    modes.enter_context(torch.autocast(device, dtype=dtype))
                 self.result = self._fn(*self._args, **self._kwargs)
         except Aborted:
             pass

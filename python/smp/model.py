@@ -38,6 +38,13 @@ def finish_step() -> None:
         current()._finish_step()
 
 
+def abandon_step(error: BaseException) -> None:
+    """A step failed part-way: with pipeline stages, its messages may still be in flight."""
+    model = current()
+    if model is not None and core.pp_size() > 1:
+        model._failed_step = f"{type(error).__name__}: {error}"
+
+
 class DistributedModel(nn.Module):
     """SMP v1's DistributedModel (one per process).
 
@@ -93,6 +100,7 @@ class DistributedModel(nn.Module):
         self._track_activations = False
         self.partition_plan: passes.PartitionPlan | None = None
         self.partitioned = False
+        self._failed_step: str | None = None
         st.model = self
         if core.pp_size() == 1:
             self._place_whole()
@@ -149,7 +157,6 @@ class DistributedModel(nn.Module):
                     )
                 g = torch.ones_like(t)
             grads.append(g * scale if scale != 1.0 else g)
-        self._grad_sync.note_backward()
         if core.pp_size() == 1:
             roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
             if roots:
@@ -158,6 +165,12 @@ class DistributedModel(nn.Module):
             mb.runtime.backward(mb.index, tensors, grads)
 
     def _start_step(self) -> None:
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"smp: an earlier step failed part-way through the pipeline ({self._failed_step[:200]}); "
+                "its activations may still be in flight between stages, so this pipeline cannot run "
+                "another step: restart the job (from a checkpoint)"
+            )
         if self._grad_sync is not None:
             self._grad_sync.start_step(self._config.microbatches)
         if self._broadcast_buffers and self.partitioned:

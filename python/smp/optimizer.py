@@ -17,12 +17,15 @@ _BUILT_BEFORE_WRAP = (
 )
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer` (built from `model.parameters()` of the DistributedModel).
 
     After the model is partitioned, each rank's optimizer steps only the parameters of
-    its stage; the others were freed.
+    its stage; the others were freed. It is a torch Optimizer (LR schedulers accept it)
+    whose param_groups and state are the wrapped optimizer's.
     """
+
+    # Optimizer.__init__ is not called: all state lives in the wrapped optimizer.
 
     def __init__(
         self,
@@ -57,9 +60,9 @@ class DistributedOptimizer:
         self._model = model
         self._localized = False
 
-    def step(self, *args, **kwargs):
+    def step(self, closure=None):
         self._localize()
-        return self.optimizer.step(*args, **kwargs)
+        return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -75,16 +78,38 @@ class DistributedOptimizer:
     def local_state_dict(self):
         return self.state_dict()
 
+    def add_param_group(self, param_group) -> None:
+        self.optimizer.add_param_group(param_group)
+
     @property
     def param_groups(self):
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.optimizer.param_groups = groups
 
     @property
     def state(self):
         return self.optimizer.state
 
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+
     def __getattr__(self, name):
-        return getattr(self.__dict__["optimizer"], name)
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
 
     def _localize(self) -> None:
         """Drops the parameters partitioning moved to other stages (once, after partitioning)."""

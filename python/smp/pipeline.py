@@ -26,14 +26,17 @@ _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
 
 
 class _Incoming:
-    """A posted receive; wait() gives the tensor on the stage's device."""
+    """A posted receive; wait() gives the tensor on the stage's device (once; later calls reuse it)."""
 
     def __init__(self, buffer: torch.Tensor, work: dist.Work, device: torch.device):
         self._buffer, self._work, self._device = buffer, work, device
+        self._tensor: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
-        self._work.wait()
-        return self._buffer.to(self._device)
+        if self._tensor is None:
+            self._work.wait()
+            self._tensor = self._buffer.to(self._device)
+        return self._tensor
 
 
 @dataclasses.dataclass
@@ -112,7 +115,7 @@ class StageRuntime:
                 for dst in range(len(self._ranks)):
                     if dst != self.index:
                         self._send(data, dst, _OUTPUT, k, name)
-        leaves, outputs = [], []
+        leaves, outputs, incoming = [], [], {}
         for position, leaf in enumerate(self.pipe.outputs):
             if leaf.kind == "const":
                 leaves.append(leaf.ref)
@@ -123,7 +126,9 @@ class StageRuntime:
             else:
                 value = values[leaf.ref]
                 leaves.append(None)
-                outputs.append((position, self._recv(value, value.src, _OUTPUT, k), value.requires_grad))
+                if leaf.ref not in incoming:  # a value returned twice arrives once
+                    incoming[leaf.ref] = self._recv(value, value.src, _OUTPUT, k)
+                outputs.append((position, incoming[leaf.ref], value.requires_grad))
         self._in_flight[k] = _InFlight(received, produced)
         return PendingOutputs(self.pipe, leaves, outputs)
 
@@ -161,10 +166,6 @@ class StageRuntime:
                 leaf = state.received[name]
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
-
-    def forget(self, k: int) -> None:
-        """Drops a microbatch that will not run backward (a forward-only step)."""
-        self._in_flight.pop(k, None)
 
     def finish_step(self) -> None:
         for work in self._sends:

@@ -94,15 +94,11 @@ def step(
                         f"microbatch "
                         f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
                     )
-                if action.kind == "B" and not mb.done:
-                    raise RuntimeError(
-                        f"smp.step: {fn.__name__} called the DistributedModel more than once in one step; "
-                        "call model(...) once per step function (combine inputs into one call)"
-                    )
             model_lib.finish_step()
-        except BaseException:
+        except BaseException as error:
             for mb in microbatches:
                 mb.abort()
+            model_lib.abandon_step(error)
             raise
         results = [mb.result for mb in microbatches]
         return _per_microbatch(results, detach_outputs)
@@ -121,9 +117,7 @@ def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axe
                 [_split(v, m, axes.get(name, 0), f"{name}[{i}]") for i, v in enumerate(value)], tuple, m
             )
         elif kind is inspect.Parameter.VAR_KEYWORD:
-            parts = {
-                k: _split(v, m, axes.get(k, 0), k) if k not in whole else [v] * m for k, v in value.items()
-            }
+            parts = {k: _split(v, m, axes.get(k, 0), k) for k, v in value.items()}
             split[name] = [{k: parts[k][i] for k in parts} for i in range(m)]
         else:
             split[name] = _split(value, m, axes.get(name, 0), name)

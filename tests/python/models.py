@@ -135,3 +135,11 @@ class Normed(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.out(x)
+
+
+class ReturnsTwice(LongSkip):
+    """Returns one tensor at two places of its output: every other stage receives it once."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, {"again": y}

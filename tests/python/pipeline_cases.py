@@ -50,6 +50,12 @@ CASES = {
     "skip": lambda: _regression_case(models.LongSkip()),
     "normed": lambda: _regression_case(models.Normed()),
     "dict": dict_case,
+    "returns_twice": lambda: (
+        models.ReturnsTwice(),
+        _regression_batch,
+        lambda m, b: m(b["x"]),
+        lambda out, b: F.mse_loss(out[0], b["y"]) + F.mse_loss(out[1]["again"], 2 * b["y"]),
+    ),
 }
 
 

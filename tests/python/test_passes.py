@@ -545,3 +545,49 @@ class DataDependentBranch(nn.Module):
 class MatmulRelu(nn.Module):
     def forward(self, a, b):
         return torch.relu(a @ b)
+
+
+# --- review findings ---------------------------------------------------------------------
+
+
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _Outer(nn.Module):
+    """Wrapper modules add call depth without adding units."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _Wrapped()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_auto_partition_looks_through_wrapper_modules():
+    module = _Outer()
+    captured = passes.capture(module, (torch.randn(2, 8),))
+    cost.annotate(captured.graph_module)
+    plan = passes.auto_partition(captured.graph_module, 2)
+    assert plan.stage_units == [["model.net.0", "model.net.1"], ["model.net.2", "model.net.3"]]
+
+
+def test_stage_may_start_with_an_in_place_op_on_a_received_value():
+    layers = [nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 1)]
+    module = nn.Sequential(*layers)
+    x = torch.randn(4, 8)
+    captured = passes.capture(module, (x,))
+    cost.annotate(captured.graph_module)
+    plan = passes.manual_partition(captured.graph_module, 2, {"0": 0, "1": 1, "2": 1, "3": 1, "4": 1})
+    first, second = passes.split(captured, plan).stages
+    received = first.module(x)[0].detach().requires_grad_(True)  # as the runtime receives it: a leaf
+    (out,) = second.module(received)
+    out.sum().backward()
+    torch.testing.assert_close(out, module(x))
+    assert received.grad is not None and received.grad.abs().sum() > 0
