@@ -4,6 +4,10 @@ and a pipeline schedule decides when each one's forward and backward happen.
 Only one microbatch thread (or the scheduler) runs at any time; control passes
 explicitly, so execution is as deterministic as a single thread. A microbatch
 pauses at the end of its model forward; the scheduler resumes it for its backward.
+
+The threads are pooled across steps: a fresh thread per microbatch gets a fresh
+malloc arena, and first-touching its pages every step costs more than the step's
+communication on CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,34 @@ class Aborted(BaseException):
 
 def current() -> Microbatch | None:
     return getattr(_local, "microbatch", None)
+
+
+class _Worker:
+    """A daemon thread that runs one job at a time and then offers itself for the next."""
+
+    _idle: list[_Worker] = []
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self._job: Callable[[], None] | None = None
+        self._ready = threading.Semaphore(0)
+        threading.Thread(target=self._loop, name="smp-microbatch", daemon=True).start()
+
+    @classmethod
+    def run(cls, job: Callable[[], None]) -> None:
+        with cls._lock:
+            worker = cls._idle.pop() if cls._idle else None
+        worker = worker or cls()
+        worker._job = job
+        worker._ready.release()
+
+    def _loop(self) -> None:
+        while True:
+            self._ready.acquire()
+            job, self._job = self._job, None
+            job()
+            with self._lock:
+                self._idle.append(self)
 
 
 class Microbatch:
@@ -48,14 +80,16 @@ class Microbatch:
             if torch.is_autocast_enabled(device)
         ]
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        self._thread = threading.Thread(target=self._main, name=f"smp-microbatch-{index}", daemon=True)
+        self._started = False
+        self._finished = threading.Event()
 
     def resume(self) -> None:
         """Runs this microbatch until it pauses or finishes (called by the scheduler)."""
         if self.done:
             return
-        if not self._thread.is_alive():
-            self._thread.start()
+        if not self._started:
+            self._started = True
+            _Worker.run(self._main)
         self._turn.release()
         self._back.acquire()
         if self._error is not None:
@@ -79,7 +113,7 @@ class Microbatch:
             self._turn.release()
             self._back.acquire()
             self._error = None
-            self._thread.join(timeout=5)
+            self._finished.wait(timeout=5)
 
     def _main(self) -> None:
         self._turn.acquire()
@@ -101,4 +135,5 @@ class Microbatch:
         finally:
             self.done = True
             _local.microbatch = None
+            self._finished.set()
             self._back.release()
