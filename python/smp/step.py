@@ -91,8 +91,8 @@ def step(
                 if action.kind == "F" and core.pp_size() > 1 and mb.forward_calls == 0:
                     raise RuntimeError(
                         f"smp.step: {fn.__name__} returned without calling the DistributedModel on "
-                        f"microbatch "
-                        f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
+                        f"microbatch {mb.index}; with pipeline parallelism every rank must call "
+                        "model(...) once per step"
                     )
             model_lib.finish_step()
         except BaseException as error:
