@@ -46,14 +46,18 @@ class _InFlight:
 
 
 class PendingOutputs:
-    """The model's return value for one microbatch; outputs of other stages arrive by wait()."""
+    """The model's return value for one microbatch; outputs of other stages arrive by wait().
 
-    def __init__(self, pipe: PipelineGraph, leaves: list[Any], incoming: list[tuple[int, _Incoming, bool]]):
+    Those copies do not require grad: their gradient flows on the stage that computed them,
+    so a loss computed from them here needs no backward.
+    """
+
+    def __init__(self, pipe: PipelineGraph, leaves: list[Any], incoming: list[tuple[int, _Incoming]]):
         self._pipe, self._leaves, self._incoming = pipe, leaves, incoming
 
     def wait(self) -> Any:
-        for position, message, requires_grad in self._incoming:
-            self._leaves[position] = message.wait().requires_grad_(requires_grad)
+        for position, message in self._incoming:
+            self._leaves[position] = message.wait()
         return self._pipe.unflatten_outputs(self._leaves)
 
 
@@ -128,7 +132,7 @@ class StageRuntime:
                 leaves.append(None)
                 if leaf.ref not in incoming:  # a value returned twice arrives once
                     incoming[leaf.ref] = self._recv(value, value.src, _OUTPUT, k)
-                outputs.append((position, incoming[leaf.ref], value.requires_grad))
+                outputs.append((position, incoming[leaf.ref]))
         self._in_flight[k] = _InFlight(received, produced)
         return PendingOutputs(self.pipe, leaves, outputs)
 
