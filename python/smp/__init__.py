@@ -4,6 +4,7 @@
 SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 """
 
+from smp import ops  # noqa: F401  (registers the tensor-parallel ops' fake kernels)
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
 from smp.comm import (
@@ -55,6 +56,7 @@ from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition, set_partition
 from smp.step import StepOutput, step
 from smp.topology import CommGroup, RankType, Topology
+from smp.tp_marks import set_tensor_parallelism, tensor_parallelism
 
 __version__ = "0.1.0"
 
@@ -132,6 +134,8 @@ __all__ = [
     "set_seed",
     "size",
     "step",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
     "tensor_parallel_seed",
     "tp_barrier",
     "tp_rank",

@@ -1,0 +1,60 @@
+#include "collectives.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+namespace smp::ops {
+namespace {
+
+// The functional collectives are called boxed: their schemas changed across
+// the supported torch versions (reduce_op and group_name are `str` in torch
+// 2.11, `Any` in 2.15), and a boxed call with string IValues fits both.
+c10::OperatorHandle functionalOp(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor callBoxed(const c10::OperatorHandle& op, torch::jit::Stack stack) {
+  op.callBoxed(stack);
+  TORCH_INTERNAL_ASSERT(stack.size() == 1 && stack[0].isTensor());
+  return std::move(stack[0]).toTensor();
+}
+
+at::Tensor waitTensor(const at::Tensor& t) {
+  static const c10::OperatorHandle op =
+      functionalOp("_c10d_functional::wait_tensor");
+  return callBoxed(op, {t});
+}
+
+}  // namespace
+
+int64_t groupSize(const std::string& group_name) {
+  return c10d::resolve_process_group(group_name)->getSize();
+}
+
+int64_t groupRank(const std::string& group_name) {
+  return c10d::resolve_process_group(group_name)->getRank();
+}
+
+at::Tensor allReduce(const at::Tensor& input, const std::string& reduce_op,
+                     const std::string& group_name) {
+  static const c10::OperatorHandle op =
+      functionalOp("_c10d_functional::all_reduce");
+  return waitTensor(callBoxed(op, {input, reduce_op, group_name}));
+}
+
+at::Tensor allGather(const at::Tensor& input, int64_t dim,
+                     const std::string& group_name) {
+  static const c10::OperatorHandle op =
+      functionalOp("_c10d_functional::all_gather_into_tensor");
+  const int64_t size = groupSize(group_name);
+  // all_gather_into_tensor stacks the ranks' tensors along dim 0: move `dim`
+  // there and back, so the blocks land side by side along `dim`.
+  at::Tensor moved = dim == 0 ? input : input.movedim(dim, 0);
+  at::Tensor gathered =
+      waitTensor(callBoxed(op, {moved.contiguous(), size, group_name}));
+  return dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
+}
+
+}  // namespace smp::ops

@@ -1,0 +1,32 @@
+// Collectives for the tensor-parallel ops, reached through the dispatcher as
+// torch's functional collectives (_c10d_functional::*), by process-group
+// name. Called inside kernels and autograd functions, so that torch.compile
+// (AOTAutograd) traces them into visible _c10d_functional nodes.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace smp::ops {
+
+// Number of ranks in the group registered under group_name.
+int64_t groupSize(const std::string& group_name);
+
+// This process's rank in the group registered under group_name.
+int64_t groupRank(const std::string& group_name);
+
+// all_reduce(input, reduce_op) followed by wait_tensor: a new tensor, the
+// input is left alone. reduce_op is "sum", "max", ... as in
+// _c10d_functional::all_reduce.
+at::Tensor allReduce(const at::Tensor& input, const std::string& reduce_op,
+                     const std::string& group_name);
+
+// all_gather_into_tensor along dimension `dim` (already wrapped, >= 0):
+// the group's tensors concatenated along dim in group-rank order.
+at::Tensor allGather(const at::Tensor& input, int64_t dim,
+                     const std::string& group_name);
+
+}  // namespace smp::ops
