@@ -6,6 +6,9 @@
     print(plan.report())
     pipe = split(captured, plan)                   # one GraphModule per stage
 
+    tensor_parallel(captured.graph_module, tp_group, marked_module_paths)
+                                                   # before split: marked layers sharded over tp_group
+
 Running `pipe.stages` in order, feeding each the values it receives, computes the
 model's forward; smp.DistributedModel does that across processes.
 """
@@ -23,6 +26,7 @@ from .partition import (
     segments,
 )
 from .split import OutputLeaf, PipelineGraph, StageModule, Value, split
+from .tensor_parallel import ShardSpec, TensorParallelResult, tensor_parallel
 
 __all__ = [
     "CaptureError",
@@ -42,4 +46,7 @@ __all__ = [
     "plan_from_assignment",
     "segments",
     "split",
+    "ShardSpec",
+    "TensorParallelResult",
+    "tensor_parallel",
 ]

@@ -59,8 +59,9 @@ class _Worker:
 
 
 class Microbatch:
-    def __init__(self, index: int, fn: Callable, args: tuple, kwargs: dict):
+    def __init__(self, index: int, fn: Callable, args: tuple, kwargs: dict, batch_size: int | None = None):
         self.index = index
+        self.batch_size = batch_size  # rows of the split tensor arguments (None if none is split)
         self.forward_calls = 0
         self.backward_calls = 0
         self.result: Any = None

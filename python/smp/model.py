@@ -1,27 +1,31 @@
-"""smp.DistributedModel: wraps an unmodified nn.Module for pipeline and data parallelism.
+"""smp.DistributedModel: wraps an unmodified nn.Module for pipeline, tensor and data parallelism.
 
-With pipeline_parallel_degree == 1 the module runs whole on every rank and ranks
-average gradients. Otherwise the first model call inside @smp.step captures the
-forward as a graph, partitions it into pp stages (smp.passes), and this rank keeps
-only its stage's parameters; later calls run the stage and exchange activations.
+With pipeline_parallel_degree == tensor_parallel_degree == 1 the module runs whole on
+every rank and ranks average gradients. Otherwise the first model call inside
+@smp.step captures the forward as a graph, partitions it into pp stages, shards the
+marked layers over the tensor-parallel group (smp.passes), and this rank keeps only
+its stage's parameters (its shards of the distributed ones); later calls run the
+stage and exchange activations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import activation_meter, core, microbatch, passes
+from smp import activation_meter, core, microbatch, passes, tp_inputs
 from smp._backend import BACKEND_NAME
 from smp.grad_sync import GradSync
 from smp.partitioning import module_partitions
 from smp.pipeline import StageRuntime
 from smp.topology import CommGroup
+from smp.tp_marks import marked_modules
 
 
 def current() -> DistributedModel | None:
@@ -95,14 +99,16 @@ class DistributedModel(nn.Module):
         # The full state_dict's keys, in order (tied tensors appear under each name).
         self._keys = list(module.state_dict(keep_vars=True).keys())
         self._runtimes: dict[tuple[bool, ...], StageRuntime] = {}
-        self._grad_sync: GradSync | None = None
+        self._grad_syncs: list[GradSync] = []
+        self._tp_specs: dict[int, passes.ShardSpec] = {}  # id(local shard) -> how it was cut
+        self._distributed_modules: list[str] = []
         self._meter: activation_meter.SavedActivationMeter | None = None
         self._track_activations = False
         self.partition_plan: passes.PartitionPlan | None = None
         self.partitioned = False
         self._failed_step: str | None = None
         st.model = self
-        if core.pp_size() == 1:
+        if not self._captures():
             self._place_whole()
 
     # --- calls inside smp.step ----------------------------------------------
@@ -120,8 +126,11 @@ class DistributedModel(nn.Module):
                 "smp: the DistributedModel was called twice in one step function; call it once per step "
                 "(concatenate the inputs into one call)"
             )
-        if core.pp_size() == 1:
+        if not self._captures():
             return self.module(*args, **kwargs)
+        if core.tp_size() > 1:
+            prescaled = self._config.prescaled_batch
+            args, kwargs = tp_inputs.combine(args, kwargs, mb.batch_size, prescaled, not self.partitioned)
         if not self.partitioned:
             self._partition(args, kwargs)
         mb.runtime = self._runtime()
@@ -157,7 +166,7 @@ class DistributedModel(nn.Module):
                     )
                 g = torch.ones_like(t)
             grads.append(g * scale if scale != 1.0 else g)
-        if core.pp_size() == 1:
+        if not self._captures():
             roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
@@ -171,8 +180,8 @@ class DistributedModel(nn.Module):
                 "its activations may still be in flight between stages, so this pipeline cannot run "
                 "another step: restart the job (from a checkpoint)"
             )
-        if self._grad_sync is not None:
-            self._grad_sync.start_step(self._config.microbatches)
+        for sync in self._grad_syncs:
+            sync.start_step(self._config.microbatches)
         if self._broadcast_buffers and self.partitioned:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
             self._broadcast_from_first_replica(list(self.module.buffers()))
@@ -180,8 +189,8 @@ class DistributedModel(nn.Module):
     def _finish_step(self) -> None:
         for runtime in self._runtimes.values():
             runtime.finish_step()
-        if self._grad_sync is not None:
-            self._grad_sync.finish_step()
+        for sync in self._grad_syncs:
+            sync.finish_step()
 
     # --- placement ------------------------------------------------------------
 
@@ -190,11 +199,15 @@ class DistributedModel(nn.Module):
             self.module.to(torch.device("cuda", torch.cuda.current_device()))
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         dp_group = self._broadcast_from_first_replica(tensors)
-        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb)
+        self._grad_syncs = [GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb)]
         self.partitioned = True
 
+    def _captures(self) -> bool:
+        """Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers)."""
+        return core.pp_size() > 1 or core.tp_size() > 1
+
     def _partition(self, args: tuple, kwargs: dict) -> None:
-        """Captures, partitions and splits the model; frees what this rank's stage does not use.
+        """Captures, partitions, shards and splits the model; frees what this rank's stage does not use.
 
         The graph is captured twice, in the current train/eval mode and in the opposite one,
         while every parameter still exists: switching modes later picks the other graph.
@@ -209,17 +222,14 @@ class DistributedModel(nn.Module):
         with _opposite_mode(self.module) as flags:
             other = passes.capture(self.module, args, kwargs)
             modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
+        if core.tp_size() > 1:
+            modes = self._shard(modes, args, kwargs)
+            plan = modes[_training_flags(self.module)][1]
         pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
         plans = [p for _, p in modes.values()]
         self._keep_local(captured.graph_module, pipes.values(), plans, stage)
         shared = self._shared_groups(captured.graph_module, plans, stage)
-        dp_group = self._broadcast_from_first_replica(
-            list(self.module.parameters()) + list(self.module.buffers())
-        )
-        for _, p, group in shared:
-            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
-        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, shared, self._bucket_cap_mb)
-        self._grad_sync.start_step(cfg.microbatches)
+        self._synchronize_replicas(shared)
         self._meter = activation_meter.SavedActivationMeter(self.module.parameters())
         self._runtimes = {
             flags: StageRuntime(
@@ -233,13 +243,81 @@ class DistributedModel(nn.Module):
         if cfg.debug and core.rank() == 0:
             print(plan.report(), flush=True)
 
+    def _shard(self, modes: dict, args: tuple, kwargs: dict) -> dict:
+        """Runs the tensor-parallel pass on each captured mode (sharing shards and decisions) and
+        puts the shards in the module; returns the modes with plans covering the new nodes."""
+        group = core.get_tp_process_group()
+        combined = None
+        if not self._config.prescaled_batch:
+            combined = microbatch.current().batch_size * core.tp_size()
+        marked = marked_modules(self.module)
+        result = None
+        sharded = {}
+        for flags, (captured, plan) in modes.items():
+            result = passes.tensor_parallel(
+                captured.graph_module,
+                group,
+                marked,
+                scatter_batch=combined,
+                shards=result.shards if result else None,
+                replicated=result.replicated if result else None,
+            )
+            new_plan = passes.plan_from_assignment(
+                captured.graph_module,
+                _stages_after_rewrite(captured.graph_module, plan.node_stage),
+                plan.num_stages,
+                self._config.colocate_shared_parameters,
+            )
+            sharded[flags] = (captured, new_plan)
+        for key, reason in result.replicated.items():
+            warnings.warn(f"smp tensor parallelism: {key} stays replicated: {reason}", stacklevel=3)
+        self._install_shards(result)
+        return sharded
+
+    def _install_shards(self, result) -> None:
+        """Puts each sharded parameter's local shard in the module in place of the full one, whose
+        storage is freed (a DistributedOptimizer built on the full one follows `_smp_sharded_as`)."""
+        for owner in self.module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None and id(p) in result.shards:
+                    owner._parameters[name] = result.shards[id(p)]
+                    if getattr(p, "_smp_sharded_as", None) is None:
+                        p._smp_sharded_as = result.shards[id(p)]
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        named = self.module.named_parameters(remove_duplicate=False)
+        self._tp_specs = {id(p): result.specs[path] for path, p in named if path in result.specs}
+        self._distributed_modules = sorted(
+            path.rsplit(".", 1)[0] if "." in path else ""
+            for path, p in self.module.named_parameters(remove_duplicate=False)
+            if id(p) in self._tp_specs
+        )
+
+    def _synchronize_replicas(self, shared) -> None:
+        """Replicas start equal (as DDP): replicated tensors from the data-parallel group's first
+        rank, shards from the reduced-data-parallel group's; then gradient sync per kind."""
+        params = list(self.module.parameters())
+        distributed = [p for p in params if id(p) in self._tp_specs]
+        replicated = [p for p in params if id(p) not in self._tp_specs]
+        dp_group = self._broadcast_from_first_replica(replicated + list(self.module.buffers()))
+        rdp_group = self._broadcast_over(distributed, core.get_rdp_process_group(), core.get_rdp_group())
+        for _, p, group in shared:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+        self._grad_syncs = [GradSync(replicated, dp_group, shared, self._bucket_cap_mb)]
+        if distributed:
+            self._grad_syncs.append(GradSync(distributed, rdp_group, [], self._bucket_cap_mb))
+        for sync in self._grad_syncs:
+            sync.start_step(self._config.microbatches)
+
     def _plan(self, captured, args: tuple, kwargs: dict) -> passes.PartitionPlan:
         cfg = self._config
         gm, num_stages = captured.graph_module, core.pp_size()
         seconds = None
-        if self._trace_execution_times:
+        if self._trace_execution_times and num_stages > 1:
             seconds = passes.cost.measure_seconds(gm, captured.flatten_inputs(args, kwargs))
         passes.cost.annotate(gm, seconds)
+        if num_stages == 1:
+            every = {n.name: 0 for n in gm.graph.nodes if n.op in passes.partition.COMPUTE_OPS}
+            return passes.plan_from_assignment(gm, every, 1)
         if cfg.auto_partition:
             plan = passes.auto_partition(gm, num_stages, cfg.memory_weight, cfg.colocate_shared_parameters)
         else:
@@ -318,13 +396,15 @@ class DistributedModel(nn.Module):
 
     def _broadcast_from_first_replica(self, tensors: list[torch.Tensor]) -> dist.ProcessGroup | None:
         """Makes data-parallel replicas start equal (as DDP does); returns the group if it has >1 rank."""
-        if core.dp_size() == 1:
+        return self._broadcast_over(tensors, core.get_dp_process_group(), core.get_dp_group())
+
+    @staticmethod
+    def _broadcast_over(tensors, group, ranks) -> dist.ProcessGroup | None:
+        if len(ranks) == 1:
             return None
-        group = core.get_dp_process_group()
-        src = core.get_dp_group()[0]
         with torch.no_grad():
             for t in tensors:
-                dist.broadcast(t.data, src=src, group=group)
+                dist.broadcast(t.data, src=ranks[0], group=group)
         return group
 
     # --- introspection and state ----------------------------------------------
@@ -354,11 +434,14 @@ class DistributedModel(nn.Module):
         return self.module.state_dict()
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The full model's state_dict (original keys). With pipeline stages, a collective over the
-        pipeline group: call it on every rank of one pipeline (e.g. all ranks, or dp_rank() == 0)."""
-        if core.pp_size() == 1 or not self.partitioned:
+        """The full model's state_dict (original keys, full shapes). With pipeline stages or
+        tensor-parallel layers it is a collective over the pipeline and tensor-parallel groups:
+        call it on every rank (or on every rank with rdp_rank() == 0)."""
+        if not self._captures() or not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        local = self._unsharded_local_state()
+        if core.pp_size() == 1:
+            return {k: local[k] for k in self._keys}
         parts: list[Any] = [None] * core.pp_size()
         dist.all_gather_object(parts, local, group=core.get_pp_process_group())
         merged: dict[str, torch.Tensor] = {}
@@ -370,9 +453,24 @@ class DistributedModel(nn.Module):
             raise RuntimeError(f"smp: state_dict is missing {missing[:5]} after gathering the stages")
         return {k: merged[k] for k in self._keys}
 
+    def _unsharded_local_state(self) -> dict[str, torch.Tensor]:
+        """This stage's state on CPU, each tensor-parallel shard gathered into the full tensor."""
+        group = core.get_tp_process_group()
+        state = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            spec = self._tp_specs.get(id(t))  # keep_vars: the Parameter objects themselves
+            t = t.detach()
+            if spec is not None:
+                parts = [torch.empty_like(t) for _ in range(core.tp_size())]
+                dist.all_gather(parts, t.contiguous(), group=group)
+                t = spec.full(parts)
+            state[key] = t.cpu()
+        return state
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full state_dict; after partitioning each rank takes the entries of its stage."""
-        if not self.partitioned or core.pp_size() == 1:
+        """Loads a full (unsharded) state_dict; after partitioning each rank takes the entries of its
+        stage, cut to its tensor-parallel shard."""
+        if not self.partitioned or not self._captures():
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         unknown = [k for k in state_dict if k not in self._keys]
         missing = [k for k in self._keys if k not in state_dict]
@@ -382,10 +480,41 @@ class DistributedModel(nn.Module):
                 "(pass strict=False to load a subset)"
             )
         with torch.no_grad():
-            for k, t in self.module.state_dict(keep_vars=True).items():
-                if k in state_dict:
-                    t.copy_(state_dict[k])
+            for key, t in self.module.named_parameters(remove_duplicate=False):
+                if key in state_dict:
+                    t.copy_(self._local_part(t, state_dict[key]))
+            for key, t in self.module.named_buffers(remove_duplicate=False):
+                if key in state_dict:
+                    t.copy_(state_dict[key])
         return None
+
+    def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        spec = self._tp_specs.get(id(param))
+        return full if spec is None else spec.local(full, core.tp_rank(), core.tp_size())
+
+    # --- tensor parallelism (SMP v1 names) -----------------------------------------------------
+
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """Whether `param` is this rank's shard of a tensor-parallel parameter."""
+        return id(param) in self._tp_specs
+
+    def is_distributed_buffer(self, buffer: torch.Tensor) -> bool:
+        return False  # buffers stay replicated
+
+    def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
+        return self.is_distributed_parameter(param)
+
+    def distributed_modules(self) -> list[nn.Module]:
+        """Modules whose parameters are sharded over the tensor-parallel group."""
+        return [self.module.get_submodule(path) for path in dict.fromkeys(self._distributed_modules)]
+
+    def default_reducer_named_parameters(self):
+        """Parameters whose gradients are averaged over the data-parallel group."""
+        return [(n, p) for n, p in self.module.named_parameters() if id(p) not in self._tp_specs]
+
+    def scaled_batch_reducer_named_parameters(self):
+        """Tensor-parallel shards: gradients averaged over the reduced-data-parallel group."""
+        return [(n, p) for n, p in self.module.named_parameters() if id(p) in self._tp_specs]
 
     def track_saved_activations(self, enabled: bool = True) -> None:
         """Counts bytes saved for backward by this rank's stage (see saved_activation_bytes)."""
@@ -401,6 +530,19 @@ class DistributedModel(nn.Module):
         if self.partition_plan is None:
             return "smp partition: not partitioned (pipeline_parallel_degree == 1 or no step has run yet)"
         return self.partition_plan.report()
+
+
+def _stages_after_rewrite(gm: torch.fx.GraphModule, before: dict[str, int]) -> dict[str, int]:
+    """Stages for a rewritten graph: each node runs where the original node it serves ran
+    (`smp_tp_origin`); nodes serving the output run on the latest stage of their inputs."""
+    stages: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in passes.partition.COMPUTE_OPS:
+            continue
+        origin = node.meta.get("smp_tp_origin", node.name)
+        inputs = [stages[n.name] for n in node.all_input_nodes if n.name in stages]
+        stages[node.name] = before[origin] if origin in before else max(inputs, default=0)
+    return stages
 
 
 def _attr_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:

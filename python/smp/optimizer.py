@@ -112,11 +112,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self.optimizer!r})"
 
     def _localize(self) -> None:
-        """Drops the parameters partitioning moved to other stages (once, after partitioning)."""
+        """Once, after partitioning: holds this rank's tensor-parallel shards in place of the full
+        parameters, and drops the parameters partitioning moved to other stages."""
         if self._localized or not self._model.partitioned:
             return
         for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if not getattr(p, "_smp_nonlocal", False)]
+            local = (getattr(p, "_smp_sharded_as", p) for p in group["params"])
+            group["params"] = list(dict.fromkeys(p for p in local if not getattr(p, "_smp_nonlocal", False)))
         self._localized = True
 
 
@@ -130,12 +132,11 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(getattr(p, "_smp_replaced", False) for p in params):
         raise RuntimeError(_BUILT_BEFORE_WRAP)
-    if any(getattr(p, "_smp_nonlocal", False) for p in params) and not getattr(
-        optimizer, "_smp_distributed", False
-    ):
+    moved = any(getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_sharded_as") for p in params)
+    if moved and not getattr(optimizer, "_smp_distributed", False):
         raise RuntimeError(
-            "smp: this optimizer holds parameters that pipeline partitioning moved to other ranks; wrap it: "
-            "optimizer = smp.DistributedOptimizer(optimizer)"
+            "smp: this optimizer holds parameters that pipeline partitioning moved to other ranks or that "
+            "tensor parallelism sharded; wrap it: optimizer = smp.DistributedOptimizer(optimizer)"
         )
     model = model_lib.current()
     if model is not None and model.partitioned:

@@ -74,8 +74,8 @@ def step(
         st = core.state()
         m = st.config.microbatches
         bound = signature.bind(*args, **kwargs)
-        pieces = _split_arguments(bound, m, whole, axes)
-        microbatches = [Microbatch(k, fn, a, kw) for k, (a, kw) in enumerate(pieces)]
+        pieces, batch_size = _split_arguments(bound, m, whole, axes)
+        microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
         actions = schedule.stage_actions(
             st.config.pipeline,
             core.pp_rank(),
@@ -126,7 +126,16 @@ def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axe
         arguments = {name: parts[i] for name, parts in split.items()}
         b = inspect.BoundArguments(bound.signature, arguments)
         pieces.append((b.args, b.kwargs))
-    return pieces
+    return pieces, _batch_size({k: v for k, v in split.items() if k not in whole}, axes)
+
+
+def _batch_size(split: dict[str, list[Any]], axes: dict[str, int]) -> int | None:
+    """Rows of the first split tensor in a microbatch (what tensor parallelism combines)."""
+    for name, parts in split.items():
+        for leaf in torch.utils._pytree.tree_leaves(parts[0]):
+            if isinstance(leaf, torch.Tensor):
+                return leaf.shape[axes.get(name, 0)]
+    return None
 
 
 def _split(value: Any, m: int, axis: int, name: str) -> list[Any]:

@@ -143,3 +143,56 @@ class ReturnsTwice(LongSkip):
     def forward(self, x):
         y = super().forward(x)
         return y, {"again": y}
+
+
+class GQABlock(nn.Module):
+    """Llama-style block: grouped-query attention (fewer k/v heads, repeated as HF's repeat_kv
+    does), fused-free q/k/v, gated MLP."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.norm2 = nn.LayerNorm(dim)
+        self.gate = nn.Linear(dim, 2 * dim, bias=False)
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def _repeat_kv(self, x):
+        b, _, t, d = x.shape
+        rep = self.heads // self.kv_heads
+        return x[:, :, None, :, :].expand(b, self.kv_heads, rep, t, d).reshape(b, self.heads, t, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class GQALM(nn.Module):
+    """A language model of GQA blocks that computes its own loss from labels (as HF models do)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 8, kv_heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(GQABlock(dim, heads, kv_heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        nn.init.normal_(self.tok.weight, std=0.02)
+
+    def forward(self, ids, labels):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 LR = 1e-3
 
 
-def gpt_case(layers: int = 4):
-    model = models.GPT(layers=layers)
+def gpt_case(layers: int = 4, **shape):
+    model = models.GPT(layers=layers, **shape)
 
     def batch(step, n):
         g = torch.Generator().manual_seed(1000 + step)
@@ -44,8 +44,22 @@ def dict_case():
     return models.DictInTupleOut(), batch, lambda m, b: m({"x": b["x"], "gate": b["gate"]}), loss
 
 
+def gqa_case():
+    model = models.GQALM()
+
+    def batch(step, n):
+        g = torch.Generator().manual_seed(3000 + step)
+        ids = torch.randint(0, 64, (n, 16), generator=g)
+        return {"ids": ids, "labels": ids}
+
+    return model, batch, lambda m, b: m(b["ids"], b["labels"]), lambda out, b: out
+
+
 CASES = {
     "gpt": gpt_case,
+    "gqa": gqa_case,
+    # Three heads: attention cannot split over 2 ranks (stays replicated), the MLPs can.
+    "gpt_3heads": lambda: gpt_case(layers=2, dim=24, heads=3),
     "twice": lambda: _regression_case(models.TwiceCalled()),
     "skip": lambda: _regression_case(models.LongSkip()),
     "normed": lambda: _regression_case(models.Normed()),
@@ -71,9 +85,11 @@ def reference(case: str, steps: int, global_batch: int):
         opt.zero_grad()
         loss = loss_fn(forward(model, b), b)
         loss.backward()
+        if s == 0:  # Adam hides a wrong gradient scale: the tests also compare the first gradients
+            grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, grads
 
 
 def train_smp(rank, world_size, case, configs, steps, global_batch, options=None):
@@ -84,19 +100,21 @@ def train_smp(rank, world_size, case, configs, steps, global_batch, options=None
     """
     import smp
 
-    ref_losses, ref_params = reference(case, steps, global_batch)
+    ref_losses, ref_params, ref_grads = reference(case, steps, global_batch)
     results = []
     for config in [configs] if isinstance(configs, dict) else configs:
         smp.init(config)
-        results.append(_train_once(smp, case, steps, global_batch, options or {}, ref_losses, ref_params))
+        reference_run = (ref_losses, ref_params, ref_grads)
+        results.append(_train_once(smp, case, steps, global_batch, options or {}, *reference_run))
         smp.core.reset()
     return results[0] if isinstance(configs, dict) else results
 
 
-def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params):
+def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params, ref_grads):
     # SMP v1 advised seeding with 42 + dp_rank; smp makes replicas equal by broadcasting from the first.
     torch.manual_seed(smp.dp_rank() if options.get("seed_by_dp_rank") else 0)
-    model, batch, forward, loss_fn = CASES[case]()
+    with smp.tensor_parallelism(options.get("tensor_parallel", smp.tp_size() > 1)):
+        model, batch, forward, loss_fn = CASES[case]()
     for module_path, part in options.get("manual", {}).items():
         smp.set_partition(model.get_submodule(module_path), part)
     dmodel = smp.DistributedModel(model, **options.get("model_kwargs", {}))
@@ -112,23 +130,48 @@ def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params)
         return loss
 
     losses = []
-    per = global_batch // smp.dp_size()
+    # A prescaled batch is read by a whole tensor-parallel group: shard by rdp rank.
+    prescaled = smp.core.state().config.prescaled_batch
+    shards, shard = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(), smp.dp_rank())
+    per = global_batch // shards
     for s in range(steps):
         b = batch(s, global_batch)
-        local = {k: v[smp.dp_rank() * per : (smp.dp_rank() + 1) * per] for k, v in b.items()}
+        local = {k: v[shard * per : (shard + 1) * per] for k, v in b.items()}
         opt.zero_grad()
         loss = train_step(local).reduce_mean()
+        if s == 0:
+            grad_err = _grad_error(dmodel, ref_grads)
         opt.step()
         torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
         losses.append(loss.item() / smp.dp_size())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     local = dict(dmodel.local_named_parameters())
-    param_err = max((local[n] - ref_params[n]).abs().max().item() for n in local)
+    if smp.tp_size() > 1:  # compare the full parameters, gathered from their shards
+        full = dmodel.state_dict()
+        param_err = max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    else:
+        param_err = max((local[n] - ref_params[n]).abs().max().item() for n in local)
     return {
         "config": smp.core.state().config,
+        "grad_err": grad_err,
         "loss_err": loss_err,
         "param_err": param_err,
         "local": sorted(local),
         "shared": sorted(dmodel.partition_plan.shared_parameters) if dmodel.partition_plan else [],
         "activation_peak": dmodel.saved_activation_bytes()["peak"],
+        "distributed": sorted(n for n, p in local.items() if dmodel.is_distributed_parameter(p)),
+        "local_numel": {n: p.numel() for n, p in local.items()},
+        "full_numel": {n: p.numel() for n, p in ref_params.items()},
     }
+
+
+def _grad_error(dmodel, ref_grads) -> float:
+    """Largest difference between this rank's gradients (of its shards) and the reference's,
+    relative to the largest reference gradient."""
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    err = 0.0
+    for name, p in dmodel.local_named_parameters():
+        expected = dmodel._local_part(p, ref_grads[name])
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        err = max(err, (got - expected).abs().max().item() / scale)
+    return err

@@ -11,6 +11,7 @@ from harness import RankFailure, run_ranks
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+GRAD_RTOL = 1e-5  # relative to the largest gradient
 
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (pipeline_parallel_degree, data-parallel degree)
 
@@ -19,6 +20,7 @@ def _check_parity(results):
     for r in results:
         assert r["loss_err"] < LOSS_RTOL, r
         assert r["param_err"] < PARAM_ATOL, r
+        assert r["grad_err"] < GRAD_RTOL, r
 
 
 @pytest.mark.slow
@@ -86,7 +88,16 @@ def test_partition_context_and_set_partition():
     with pytest.raises(ValueError, match="partition index must be an int >= 0, got -1"):
         smp.set_partition(free, -1)
     assert type(torch.nn.Linear(1, 1)).__init__ is torch.nn.Linear.__init__
-    assert torch.nn.Module.__init__ is smp.partitioning._original_init
+    assert torch.nn.Module.__init__ is smp.module_marks._original_init
+    # Partition and tensor-parallel blocks nest in either order.
+    with smp.tensor_parallelism():
+        with smp.partition(1):
+            both = torch.nn.Linear(2, 2)
+            with smp.tensor_parallelism(False):
+                partition_only = torch.nn.Linear(2, 2)
+    assert (both._smp_partition, both._smp_tensor_parallel) == (1, True)
+    assert (partition_only._smp_partition, partition_only._smp_tensor_parallel) == (1, False)
+    assert torch.nn.Module.__init__ is smp.module_marks._original_init
 
 
 def test_interleaved_bounds_saved_activations():

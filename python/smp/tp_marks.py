@@ -1,0 +1,43 @@
+"""Marking modules for tensor parallelism: `with smp.tensor_parallelism():` and
+`smp.set_tensor_parallelism(module)`.
+
+A marked module's linear and embedding layers are sharded over the TP group by the
+tensor-parallel graph pass (smp.passes.tensor_parallel) when the DistributedModel
+partitions, pairing them Megatron-style where the dataflow allows. Marking a block
+(an attention layer, a transformer layer, the whole model) marks everything in it;
+`enabled=False` inside a marked block keeps a part replicated. Unmarked modules stay
+replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from smp import module_marks
+
+_ATTR = "_smp_tensor_parallel"
+
+
+@contextlib.contextmanager
+def tensor_parallelism(enabled: bool = True, **kwargs):
+    """Modules constructed inside the block are (enabled=True) or are not distributed.
+
+    SMP v1's per-module keyword arguments (for its own distributed transformer classes)
+    are accepted and have no effect: smp shards the model's own layers.
+    """
+    with module_marks.marking(_ATTR, bool(enabled)):
+        yield
+
+
+def set_tensor_parallelism(module: torch.nn.Module, enabled: bool = True, **kwargs) -> None:
+    """Marks `module` and all its submodules after construction (before smp.DistributedModel)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"smp.set_tensor_parallelism expects an nn.Module, got {type(module).__name__}")
+    module_marks.mark(module, _ATTR, bool(enabled), recurse=True, overwrite=True)
+
+
+def marked_modules(root: torch.nn.Module) -> set[str]:
+    """Paths of the modules of `root` marked for tensor parallelism."""
+    return {path for path, on in module_marks.marked(root, _ATTR).items() if on}

@@ -1,0 +1,176 @@
+"""Tensor parallelism end to end on CPU processes: parity with one process, shard sizes,
+replicated fallbacks, the pass on its own, checkpoints and errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pipeline_cases
+import pytest
+import torch
+from harness import RankFailure, run_ranks
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+GRAD_RTOL = 1e-5  # relative to the largest gradient
+
+# (world size, config): tp alone, tp=4, pp=2 x tp=2, tp=2 x rdp=2.
+LAYOUTS = {
+    "tp2": (2, {"tensor_parallel_degree": 2}),
+    "tp4": (4, {"tensor_parallel_degree": 4}),
+    "pp2_tp2": (4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}),
+    "tp2_rdp2": (4, {"tensor_parallel_degree": 2, "microbatches": 2}),
+}
+
+
+def _train_cases(rank, world_size, cases, configs):
+    return {case: pipeline_cases.train_smp(rank, world_size, case, configs, 3, 16) for case in cases}
+
+
+def _check(results, tp):
+    for r in results:
+        assert r["loss_err"] < LOSS_RTOL, r
+        assert r["param_err"] < PARAM_ATOL, r
+        assert r["grad_err"] < GRAD_RTOL, r
+        assert r["distributed"], "nothing was sharded"
+        for name in r["distributed"]:  # every shard is exactly 1/tp of its parameter
+            assert r["local_numel"][name] * tp == r["full_numel"][name], name
+
+
+@pytest.mark.parametrize(
+    "layout", ["tp2", pytest.param("tp4", marks=pytest.mark.slow), "pp2_tp2", "tp2_rdp2"]
+)
+def test_parity(layout):
+    world_size, base = LAYOUTS[layout]
+    configs = [base | {"prescaled_batch": prescaled} for prescaled in (False, True)]
+    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa"], configs, timeout=600)
+    tp = base["tensor_parallel_degree"]
+    for by_case in per_rank:
+        for results in by_case.values():
+            _check(results, tp)
+        gpt = by_case["gpt"][0]["distributed"]
+        # Megatron pairs in every block, the vocab-parallel embedding tied to the head.
+        blocks_here = {n.split(".")[1] for n in gpt if n.startswith("blocks.")}
+        for i in blocks_here:
+            for layer in ("attn.qkv.weight", "attn.proj.weight", "mlp.0.weight", "mlp.2.weight"):
+                assert f"blocks.{i}.{layer}" in gpt, (i, layer, gpt)
+        gqa = by_case["gqa"][0]["distributed"]
+        assert any(n.endswith("k.weight") for n in gqa) and any(n.endswith("down.weight") for n in gqa)
+
+
+def _parameter_bytes(rank, world_size):
+    import smp
+
+    smp.init({"tensor_parallel_degree": world_size})
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        model = pipeline_cases.models.GPT(layers=2)
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    dmodel = smp.DistributedModel(model)
+
+    @smp.step
+    def forward(ids):
+        return dmodel(ids).sum()
+
+    forward(torch.randint(0, 64, (4, 16)))
+    local = dict(dmodel.local_named_parameters())
+    distributed = sum(p.numel() for p in local.values() if dmodel.is_distributed_parameter(p))
+    replicated = sum(p.numel() for p in local.values() if not dmodel.is_distributed_parameter(p))
+    modules = [type(m).__name__ for m in dmodel.distributed_modules()]
+    return distributed, replicated, sum(full.values()), modules
+
+
+def test_parameter_bytes_per_rank():
+    for distributed, replicated, total, modules in run_ranks(_parameter_bytes, 2, timeout=180):
+        # Linear and embedding weights are halved; what stays whole is norms, row biases, positions.
+        assert distributed * 2 + replicated == total
+        assert replicated < 0.1 * total, (replicated, total)
+        assert set(modules) == {"Linear", "Embedding"}
+
+
+def _indivisible_heads(rank, world_size):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configs = [{"tensor_parallel_degree": 2, "prescaled_batch": p} for p in (False, True)]
+        results = pipeline_cases.train_smp(rank, world_size, "gpt_3heads", configs, 3, 8)
+    return results, [str(w.message) for w in caught if "tensor parallelism" in str(w.message)]
+
+
+def test_indivisible_heads_stay_replicated():
+    for results, messages in run_ranks(_indivisible_heads, 2, timeout=300):
+        for r in results:
+            assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
+            assert "blocks.0.attn.qkv.weight" not in r["distributed"]
+            assert "blocks.0.mlp.0.weight" in r["distributed"]
+        assert any("blocks.0.attn" in m and "heads" in m and "3" in m for m in messages), messages
+
+
+def _pass_alone(rank, world_size):
+    """The pass by itself: the rewritten graph computes the original function on every rank,
+    and a DistributedModel loads an unsharded checkpoint into its shards."""
+    import smp
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = pipeline_cases.models.GPT(layers=2)
+    ids = torch.randint(0, 64, (2, 16))
+    expected = model(ids)
+    captured = smp.passes.capture(model, (ids,))
+    marked = {path for path, _ in model.named_modules()}
+    result = smp.passes.tensor_parallel(captured.graph_module, dist.group.WORLD, marked)
+    got = captured.graph_module(ids)[0]
+    ops = {str(n.target) for n in captured.graph_module.graph.nodes}
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    with smp.tensor_parallelism():
+        fresh = pipeline_cases.models.GPT(layers=2)
+    dmodel = smp.DistributedModel(fresh)
+
+    @smp.step
+    def forward(x):
+        return dmodel(x)
+
+    forward(ids)
+    dmodel.load_state_dict(checkpoint)
+    reloaded = forward(ids).outputs[0]
+    roundtrip = dmodel.state_dict()
+    dmodel.eval()  # the eval-mode graph was captured and sharded too
+    evaluated = forward(ids).outputs[0]
+    return {
+        "err": (got - expected).abs().max().item(),
+        "reload_err": max((t - expected).abs().max().item() for t in (reloaded, evaluated)),
+        "roundtrip": all(torch.equal(roundtrip[k], checkpoint[k]) for k in checkpoint),
+        "ops": ops,
+        "specs": {k: (s.dim, s.blocks) for k, s in result.specs.items()},
+    }
+
+
+def test_pass_computes_the_same_function():
+    for r in run_ranks(_pass_alone, 2, timeout=180):
+        assert r["err"] < 1e-5 and r["reload_err"] < 1e-5, r
+        assert r["roundtrip"]
+        assert {"smp.column_parallel_linear.default", "smp.row_parallel_linear.default"} <= r["ops"]
+        assert "smp.vocab_parallel_embedding.default" in r["ops"]
+        assert r["specs"]["blocks.0.attn.qkv.weight"] == (0, 3)  # fused q/k/v: each part split
+        assert r["specs"]["blocks.0.attn.proj.weight"] == (1, 1)
+        assert r["specs"]["head.weight"] == (0, 1)
+
+
+def _prescaled_mismatch(rank, world_size):
+    import smp
+
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    with smp.tensor_parallelism():
+        dmodel = smp.DistributedModel(pipeline_cases.models.GPT(layers=1))
+
+    @smp.step
+    def forward(x):
+        return dmodel(x)
+
+    forward(torch.full((2, 16), rank))  # each rank reads its own data: not a prescaled batch
+
+
+def test_prescaled_batch_must_match_across_the_group():
+    with pytest.raises(RankFailure, match="prescaled_batch=True every rank of a tensor-parallel group"):
+        run_ranks(_prescaled_mismatch, 2, timeout=120)
