@@ -4,7 +4,7 @@
 SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 """
 
-from smp import ops  # noqa: F401  (registers the tensor-parallel ops' fake kernels)
+from smp import amp, ops  # amp.GradScaler; ops registers the tensor-parallel ops' fake kernels
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
 from smp.comm import (
@@ -73,6 +73,8 @@ MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
 
 __all__ = [
+    "amp",
+    "ops",
     "BACKEND_NAME",
     "DP_GROUP",
     "DP_RANK",

@@ -7,6 +7,11 @@ Buckets launch strictly in order, so every replica issues the same collectives.
 
 Shared parameters: a parameter replicated on several stages has its gradients
 summed over those stages, so every replica applies the same update.
+
+Mixed precision (fp32_accumulate): each microbatch's low-precision gradient is added
+into an fp32 buffer (`param._smp_grad32`) as soon as autograd produces it, and the
+buckets average those fp32 buffers; `param.grad` then gets the result in the
+parameter's dtype, for code that reads it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ class GradSync:
         dp_group: dist.ProcessGroup | None,
         shared: list[tuple[str, torch.nn.Parameter, dist.ProcessGroup]],
         bucket_cap_mb: float = 25,
+        fp32_accumulate: bool = False,
     ):
         self._params = [p for p in params if p.requires_grad]
+        self._fp32 = fp32_accumulate
         self._dp_group = dp_group
         self._dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self._shared = shared
@@ -37,6 +44,9 @@ class GradSync:
 
     def start_step(self, expected_backwards: int) -> None:
         self._expected = expected_backwards
+        if self._fp32:
+            for p in self._params:
+                p._smp_grad32 = None
         self._counts = {}
         self._pending = [0] * len(self._buckets)
         self._launched = []
@@ -52,19 +62,32 @@ class GradSync:
             offset = 0
             for p in bucket:
                 n = p.numel()
-                grad = flat[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = grad.clone()
-                else:
-                    p.grad.copy_(grad)
+                self._set_grad(p, flat[offset : offset + n].view_as(p))
                 offset += n
         self._launched = []
+        if self._fp32:
+            for p in self._params:
+                if p._smp_grad32 is not None and not self._bucket_of:
+                    p.grad = p._smp_grad32.to(p.dtype)
         for _, p, group in self._shared:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            grad = self._grad(p)
+            dist.all_reduce(grad, group=group)
+            self._set_grad(p, grad)
+
+    def _set_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self._fp32:
+            p._smp_grad32 = grad.clone()
+            p.grad = grad.to(p.dtype)
+        elif p.grad is None:
+            p.grad = grad.clone()
+        else:
+            p.grad.copy_(grad)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self._fp32:
+            main = getattr(p, "_smp_grad32", None)
+            p._smp_grad32 = p.grad.float() if main is None else main.add_(p.grad)
+            p.grad = None
         key = id(p)
         self._counts[key] = self._counts.get(key, 0) + 1
         if self._counts[key] != self._expected or key not in self._bucket_of:
@@ -80,11 +103,15 @@ class GradSync:
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-        )
+        flat = torch.cat([self._grad(p).reshape(-1) for p in bucket])
         work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
         self._launched.append((bucket, flat, work))
+
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        grad = getattr(p, "_smp_grad32", None) if self._fp32 else p.grad
+        if grad is None:
+            return torch.zeros_like(p, dtype=torch.float32 if self._fp32 else p.dtype)
+        return grad
 
 
 def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:

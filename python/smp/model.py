@@ -89,8 +89,11 @@ class DistributedModel(nn.Module):
                 "supported; use 1 and raise `microbatches` to accumulate gradients over more samples per step"
             )
         super().__init__()
-        self.module = module
         self._config = st.config
+        self._dtype = _half_dtype(st.config)
+        if self._dtype is not None:
+            module.to(self._dtype)  # half-precision parameters and activations; fp32 masters in the optimizer
+        self.module = module
         self._broadcast_buffers = broadcast_buffers
         self._trace_execution_times = trace_execution_times
         self._average_microbatches = average_grads_across_microbatches
@@ -107,6 +110,8 @@ class DistributedModel(nn.Module):
         self.partition_plan: passes.PartitionPlan | None = None
         self.partitioned = False
         self._failed_step: str | None = None
+        self._optimizers: list[Any] = []  # DistributedOptimizers over this model
+        self._backward_ran = False
         st.model = self
         if not self._captures():
             self._place_whole()
@@ -126,6 +131,8 @@ class DistributedModel(nn.Module):
                 "smp: the DistributedModel was called twice in one step function; call it once per step "
                 "(concatenate the inputs into one call)"
             )
+        if self._dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self._dtype)
         if not self._captures():
             return self.module(*args, **kwargs)
         if core.tp_size() > 1:
@@ -156,6 +163,9 @@ class DistributedModel(nn.Module):
         elif isinstance(grad_tensors, torch.Tensor):
             grad_tensors = [grad_tensors]
         scale = 1.0 / self._config.microbatches if self._average_microbatches else 1.0
+        if self._optimizers:
+            scale *= self._optimizers[0].loss_scale  # fp16 loss scaling; the optimizer divides it out
+        self._backward_ran = True
         grads = []
         for t, g in zip(tensors, grad_tensors, strict=True):
             if g is None:
@@ -182,6 +192,7 @@ class DistributedModel(nn.Module):
             )
         for sync in self._grad_syncs:
             sync.start_step(self._config.microbatches)
+        self._backward_ran = False
         if self._broadcast_buffers and self.partitioned:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
             self._broadcast_from_first_replica(list(self.module.buffers()))
@@ -191,6 +202,9 @@ class DistributedModel(nn.Module):
             runtime.finish_step()
         for sync in self._grad_syncs:
             sync.finish_step()
+        if self._backward_ran:
+            for optimizer in self._optimizers:
+                optimizer._gradients_ready()
 
     # --- placement ------------------------------------------------------------
 
@@ -199,8 +213,13 @@ class DistributedModel(nn.Module):
             self.module.to(torch.device("cuda", torch.cuda.current_device()))
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         dp_group = self._broadcast_from_first_replica(tensors)
-        self._grad_syncs = [GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb)]
+        self._grad_syncs = [
+            GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb, self._fp32_grads())
+        ]
         self.partitioned = True
+
+    def _fp32_grads(self) -> bool:
+        return self._dtype is not None
 
     def _captures(self) -> bool:
         """Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers)."""
@@ -302,9 +321,11 @@ class DistributedModel(nn.Module):
         rdp_group = self._broadcast_over(distributed, core.get_rdp_process_group(), core.get_rdp_group())
         for _, p, group in shared:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
-        self._grad_syncs = [GradSync(replicated, dp_group, shared, self._bucket_cap_mb)]
+        fp32 = self._fp32_grads()
+        self._grad_syncs = [GradSync(replicated, dp_group, shared, self._bucket_cap_mb, fp32)]
         if distributed:
-            self._grad_syncs.append(GradSync(distributed, rdp_group, [], self._bucket_cap_mb))
+            self._grad_syncs.append(GradSync(distributed, rdp_group, [], self._bucket_cap_mb, fp32))
+        self._shared_params = {id(p): group for _, p, group in shared}
         for sync in self._grad_syncs:
             sync.start_step(self._config.microbatches)
 
@@ -492,6 +513,39 @@ class DistributedModel(nn.Module):
         spec = self._tp_specs.get(id(param))
         return full if spec is None else spec.local(full, core.tp_rank(), core.tp_size())
 
+    # --- gradient norm ------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips all gradients by their global L2 norm over every stage and tensor-parallel shard
+        (a replicated parameter counts once); returns the norm. A collective on every rank. With a
+        DistributedOptimizer it clips the gradients that optimizer is about to apply."""
+        if self._optimizers:
+            return self._optimizers[0].clip_master_grads(max_norm, norm_type)
+        if norm_type != 2.0:
+            raise ValueError(f"smp: clip_grad_norm_ supports the L2 norm (norm_type=2), got {norm_type}")
+        local = torch.zeros((), dtype=torch.float64)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if core.rdp_rank() == 0:
+            for p in params:
+                if self._counts_in_norm(p):
+                    local += p.grad.detach().double().pow(2).sum().cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        norm = local.sqrt().float()
+        coef = max_norm / (norm.item() + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def _counts_in_norm(self, param: torch.Tensor) -> bool:
+        """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
+        always; replicated parameters on tp rank 0; a parameter shared by stages on its first one."""
+        if id(param) not in self._tp_specs and core.tp_rank() != 0:
+            return False
+        group = getattr(self, "_shared_params", {}).get(id(param))
+        return group is None or dist.get_global_rank(group, 0) == dist.get_rank()
+
     # --- tensor parallelism (SMP v1 names) -----------------------------------------------------
 
     def is_distributed_parameter(self, param: torch.Tensor) -> bool:
@@ -561,6 +615,17 @@ def _refresh_parameters(module: nn.Module) -> None:
                 fresh[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
                 p._smp_replaced = True
             m._parameters[name] = fresh[id(p)]
+
+
+def _half_dtype(config) -> torch.dtype | None:
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return torch.utils._pytree.tree_map(cast, tree)
 
 
 def _training_flags(module: nn.Module) -> tuple[bool, ...]:
