@@ -44,6 +44,17 @@ def dict_case():
     return models.DictInTupleOut(), batch, lambda m, b: m({"x": b["x"], "gate": b["gate"]}), loss
 
 
+def counting_case():
+    """The GPT on sequences that count up (mod the vocabulary): learnable, so the loss falls."""
+    model = models.GPT(layers=2)
+
+    def batch(step, n):
+        g = torch.Generator().manual_seed(4000 + step)
+        return {"ids": (torch.randint(0, 64, (n, 1), generator=g) + torch.arange(16)) % 64}
+
+    return model, batch, lambda m, b: m(b["ids"]), lambda out, b: models.lm_loss(out, b["ids"])
+
+
 def gqa_case():
     model = models.GQALM()
 
@@ -58,6 +69,7 @@ def gqa_case():
 CASES = {
     "gpt": gpt_case,
     "gqa": gqa_case,
+    "counting": counting_case,
     # Three heads: attention cannot split over 2 ranks (stays replicated), the MLPs can.
     "gpt_3heads": lambda: gpt_case(layers=2, dim=24, heads=3),
     "twice": lambda: _regression_case(models.TwiceCalled()),
@@ -73,13 +85,30 @@ CASES = {
 }
 
 
-def reference(case: str, steps: int, global_batch: int):
-    """Losses per step and final parameters of one process training the unsplit model."""
+def make_optimizer(kind: str, named_parameters):
+    """The optimizer (and LR scheduler, or None) a test trains with, for the reference and smp alike."""
+    named = list(named_parameters)
+    if kind == "sgd":
+        return torch.optim.SGD([p for _, p in named], lr=0.05, momentum=0.9), None
+    if kind == "adamw_groups":  # two param groups and a scheduler
+        decay = [p for n, p in named if p.dim() >= 2]
+        rest = [p for n, p in named if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=LR
+        )
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return torch.optim.Adam([p for _, p in named], lr=LR), None
+
+
+def reference(case: str, steps: int, global_batch: int, options=None):
+    """Losses per step, final parameters, first gradients, first gradient norm and final optimizer
+    state (by parameter name) of one process training the unsplit model."""
+    options = options or {}
     torch.manual_seed(0)
     model, batch, forward, loss_fn = CASES[case]()
     model = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
+    opt, scheduler = make_optimizer(options.get("optimizer", "adam"), model.named_parameters())
+    losses, norm0 = [], None
     for s in range(steps):
         b = batch(s, global_batch)
         opt.zero_grad()
@@ -87,9 +116,17 @@ def reference(case: str, steps: int, global_batch: int):
         loss.backward()
         if s == 0:  # Adam hides a wrong gradient scale: the tests also compare the first gradients
             grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        if "clip" in options:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options["clip"])
+            norm0 = norm.item() if norm0 is None else norm0
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, grads
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: dict(v) for p, v in opt.state.items()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "params": params, "grads": grads, "norm0": norm0, "state": state}
 
 
 def train_smp(rank, world_size, case, configs, steps, global_batch, options=None):
@@ -100,17 +137,17 @@ def train_smp(rank, world_size, case, configs, steps, global_batch, options=None
     """
     import smp
 
-    ref_losses, ref_params, ref_grads = reference(case, steps, global_batch)
+    ref = reference(case, steps, global_batch, options)
     results = []
     for config in [configs] if isinstance(configs, dict) else configs:
         smp.init(config)
-        reference_run = (ref_losses, ref_params, ref_grads)
-        results.append(_train_once(smp, case, steps, global_batch, options or {}, *reference_run))
+        results.append(_train_once(smp, case, steps, global_batch, options or {}, ref))
         smp.core.reset()
     return results[0] if isinstance(configs, dict) else results
 
 
-def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params, ref_grads):
+def _train_once(smp, case, steps, global_batch, options, ref):
+    ref_losses, ref_params, ref_grads = ref["losses"], ref["params"], ref["grads"]
     # SMP v1 advised seeding with 42 + dp_rank; smp makes replicas equal by broadcasting from the first.
     torch.manual_seed(smp.dp_rank() if options.get("seed_by_dp_rank") else 0)
     with smp.tensor_parallelism(options.get("tensor_parallel", smp.tp_size() > 1)):
@@ -120,7 +157,11 @@ def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params,
     dmodel = smp.DistributedModel(model, **options.get("model_kwargs", {}))
     if options.get("track_activations"):
         dmodel.track_saved_activations()
-    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=LR))
+    inner, scheduler = make_optimizer(options.get("optimizer", "adam"), dmodel.module.named_parameters())
+    opt = smp.DistributedOptimizer(inner, **options.get("optimizer_kwargs", {}))
+    name_of = {id(p): n for n, p in dmodel.module.named_parameters()}
+    order = [name_of[id(p)] for g in inner.param_groups for p in g["params"]]  # state_dict's indices
+    norm0 = None
 
     @smp.step
     def train_step(b):
@@ -141,7 +182,12 @@ def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params,
         loss = train_step(local).reduce_mean()
         if s == 0:
             grad_err = _grad_error(dmodel, ref_grads)
+        if "clip" in options:
+            norm = opt.clip_master_grads(options["clip"]).item()
+            norm0 = norm if norm0 is None else norm0
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
         losses.append(loss.item() / smp.dp_size())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
@@ -151,9 +197,25 @@ def _train_once(smp, case, steps, global_batch, options, ref_losses, ref_params,
         param_err = max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
     else:
         param_err = max((local[n] - ref_params[n]).abs().max().item() for n in local)
+    inner_state = [t for v in inner.state.values() for t in v.values() if isinstance(t, torch.Tensor)]
+    full_state = opt.state_dict()
+    state_err = None
+    if smp.pp_size() == 1 and smp.tp_size() == 1:  # per-parameter state against the reference's
+        state_err = max(
+            (v - ref["state"][order[i]][k]).abs().max().item()
+            for i, entry in full_state["state"].items()
+            for k, v in entry.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
     return {
         "config": smp.core.state().config,
         "grad_err": grad_err,
+        "norm0": norm0,
+        "ref_norm0": ref["norm0"],
+        "state_err": state_err,
+        "state_bytes": sum(t.numel() * t.element_size() for t in inner_state if t.dim() > 0),
+        "loss_scale": opt.loss_scale,
+        "losses": losses,
         "loss_err": loss_err,
         "param_err": param_err,
         "local": sorted(local),

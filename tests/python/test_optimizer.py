@@ -1,0 +1,217 @@
+"""Sharded optimizer state (ZeRO-1), mixed precision, loss scaling and global gradient clipping,
+end to end on CPU processes against one process training the unsplit model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pipeline_cases
+import pytest
+import torch
+from harness import run_ranks
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+GRAD_RTOL = 1e-5
+
+# (world size, config, rdp size)
+LAYOUTS = {
+    "rdp2": (2, {}, 2),
+    "rdp4": (4, {}, 4),
+    "pp2_rdp2": (4, {"pipeline_parallel_degree": 2, "microbatches": 2}, 2),
+    "tp2_rdp2": (4, {"tensor_parallel_degree": 2, "prescaled_batch": True}, 2),
+}
+
+
+def _both_optimizers(rank, world_size, base):
+    # Sharded first, then the same layout unsharded: the state bytes are compared between them.
+    configs = [base | {"shard_optimizer_state": True}, base]
+    return {
+        kind: pipeline_cases.train_smp(rank, world_size, "gpt", configs, 3, 16, {"optimizer": kind})
+        for kind in ("adam", "sgd")
+    }
+
+
+@pytest.mark.parametrize(
+    "layout", ["rdp2", pytest.param("rdp4", marks=pytest.mark.slow), "pp2_rdp2", "tp2_rdp2"]
+)
+def test_sharded_state_parity_and_bytes(layout):
+    world_size, base, rdp = LAYOUTS[layout]
+    for by_kind in run_ranks(_both_optimizers, world_size, base, timeout=600):
+        for kind, (sharded, whole) in by_kind.items():
+            for r in (sharded, whole):
+                assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, (kind, r)
+                assert r["grad_err"] < GRAD_RTOL, (kind, r)
+            # Each rank keeps ceil(total / rdp) elements of every state tensor (plus padding).
+            tensors = 2 if kind == "adam" else 1
+            assert sharded["state_bytes"] <= math.ceil(whole["state_bytes"] / rdp) + 4 * tensors * rdp, kind
+            assert sharded["state_bytes"] >= whole["state_bytes"] / rdp, kind
+
+
+def test_param_groups_scheduler_clipping_and_full_state():
+    # AdamW with two param groups, a StepLR scheduler and clipping, sharded over 2 ranks: the full
+    # state_dict gathered from the shards equals the reference optimizer's state per parameter.
+    options = {"optimizer": "adamw_groups", "clip": 0.5}
+    config = {"shard_optimizer_state": True}
+    for r in run_ranks(pipeline_cases.train_smp, 2, "gpt", config, 3, 16, options, timeout=300):
+        assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
+        assert r["state_err"] < 1e-6, r
+        assert abs(r["norm0"] - r["ref_norm0"]) <= 1e-5 * r["ref_norm0"], r
+
+
+def test_clipped_norm_pp2_tp2():
+    config = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
+    options = {"clip": 0.5}
+    for r in run_ranks(pipeline_cases.train_smp, 4, "gpt", config, 3, 16, options, timeout=300):
+        assert abs(r["norm0"] - r["ref_norm0"]) <= 1e-5 * r["ref_norm0"], r
+        assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
+
+
+def _state_dict_round_trip(rank, world_size):
+    import smp
+
+    smp.init({"shard_optimizer_state": True})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(pipeline_cases.models.GPT(layers=1))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    for s in range(2):
+        opt.zero_grad()
+        train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + rank)))
+        opt.step()
+    # torch's state_dict holds the live state tensors: copy before changing them.
+    full, local = copy.deepcopy(opt.state_dict()), copy.deepcopy(opt.local_state_dict())
+    chunk = {k: v.clone() for k, v in local["state"][0].items()}
+    for state in (full, local):  # each form loads back to the same chunk
+        for v in opt.state.values():
+            v["exp_avg"].zero_()
+        opt.load_state_dict(state)
+        again = opt.local_state_dict()["state"][0]
+        assert all(torch.equal(again[k], chunk[k]) for k in chunk)
+    wrong = dict(local) | {"smp_shard": {"rank": 1 - smp.rdp_rank(), "size": 2}}
+    message = ""
+    try:
+        opt.load_state_dict(wrong)
+    except ValueError as err:
+        message = str(err)
+    numel = sum(p.numel() for p in model.parameters())
+    return {
+        "full_numel": sum(v["exp_avg"].numel() for v in full["state"].values()),
+        "chunk_numel": chunk["exp_avg"].numel(),
+        "numel": numel,
+        "message": message,
+    }
+
+
+def test_full_and_local_state_dict_load_back():
+    for r in run_ranks(_state_dict_round_trip, 2, timeout=180):
+        assert r["full_numel"] == r["numel"]
+        assert r["chunk_numel"] == math.ceil(r["numel"] / 2)
+        assert "load it on that rank" in r["message"]
+
+
+def _bf16_against_fp32(rank, world_size):
+    import smp
+
+    steps = 20
+    ref = pipeline_cases.reference("counting", steps, 16)
+    smp.init({"bf16": True, "shard_optimizer_state": True})
+    result = pipeline_cases._train_once(smp, "counting", steps, 16, {}, ref)
+    dtypes = {p.dtype for p in smp.core.state().model.parameters()}
+    return ref["losses"], result["loss_err"], dtypes, result["losses"]
+
+
+def test_bf16_tracks_fp32():
+    for ref, loss_err, dtypes, _ in run_ranks(_bf16_against_fp32, 2, timeout=300):
+        assert dtypes == {torch.bfloat16}
+        assert loss_err < 0.03, loss_err  # the loss curve within 3% at every step
+        assert ref[-1] < ref[0] - 0.2  # and it is a curve: the loss falls
+
+
+def _fp16_overflow(rank, world_size):
+    import smp
+
+    smp.init({"fp16": True, "pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(pipeline_cases.models.GPT(layers=2))
+    opt = smp.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3), dynamic_loss_scale=True, init_scale=2.0**12
+    )
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(model(ids).float(), ids)
+        model.backward(loss)
+        return loss
+
+    poison = {"on": False}
+    snapshots, scales = [], []
+    for s in range(4):
+        poison["on"] = s == 2
+        opt.zero_grad()
+        train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s)))
+        if s == 0 and rank == 0:  # after partitioning: stage 0's position table is rank 0's alone
+            model.module.pos.weight.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+        opt.step()
+        snapshots.append({n: p.detach().clone() for n, p in model.local_named_parameters()})
+        scales.append(opt.loss_scale)
+    changed = [
+        any(not torch.equal(snapshots[s][n], snapshots[s - 1][n]) for n in snapshots[s]) for s in (1, 2, 3)
+    ]
+    return changed, scales
+
+
+def test_fp16_overflow_on_one_rank_skips_that_step_everywhere():
+    for changed, scales in run_ranks(_fp16_overflow, 2, timeout=180):
+        assert changed == [True, False, True], changed  # step 2 skipped on both stages
+        assert scales[:2] == [2.0**12, 2.0**12] and scales[2] == 2.0**11 and scales[3] == 2.0**11
+
+
+def _grad_scaler(rank, world_size):
+    import smp
+
+    ref = pipeline_cases.reference("gpt", 3, 16)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(pipeline_cases.models.GPT())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=pipeline_cases.LR))
+    scaler = smp.amp.GradScaler(init_scale=2.0**10)
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(model(ids), ids)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    losses, skipped = [], []
+    batch = pipeline_cases.CASES["gpt"]()[1]
+    for s in range(4):
+        ids = batch(s, 16)["ids"] if s < 3 else torch.randint(0, 64, (16, 16))
+        if s == 3 and rank == 0:  # an inf on stage 0 only: every rank must skip
+            model.module.pos.weight.register_hook(lambda g: g * float("inf"))
+        opt.zero_grad()
+        loss = train_step(ids).reduce_mean()
+        before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(before[n], p) for n, p in model.local_named_parameters()))
+        losses.append(loss.item())
+    params = dict(model.local_named_parameters())
+    err = max((params[n] - ref["params"][n]).abs().max().item() for n in params)
+    return losses[:3], ref["losses"], err, skipped, scaler.get_scale()
+
+
+def test_amp_grad_scaler_with_smp_step():
+    for losses, ref_losses, param_err, skipped, scale in run_ranks(_grad_scaler, 2, timeout=180):
+        # Scaled and unscaled training agree; the step with an inf on one stage is skipped on both.
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True)) < LOSS_RTOL
+        assert skipped == [False, False, False, True]
+        assert param_err < PARAM_ATOL  # 3 scaled steps, then nothing
+        assert scale == 2.0**9
