@@ -1,6 +1,7 @@
 // Communication-only ops, the glue between sharded and replicated layouts:
 // tp_gather (shards -> replicated), tp_split (replicated -> shards) and
-// tp_reduce (partial sums -> replicated), each with the conjugate backward.
+// tp_reduce (partial sums -> replicated) and tp_copy (replicated input of
+// several column-parallel layers), each with the conjugate backward.
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -78,6 +79,24 @@ class TpReduceFn : public torch::autograd::Function<TpReduceFn> {
   }
 };
 
+class TpCopyFn : public torch::autograd::Function<TpCopyFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const std::string& group_name) {
+    ctx->saved_data["group_name"] = group_name;
+    return tpCopy(input, group_name);
+  }
+
+  static variable_list backward(AutogradContext* ctx,
+                                const variable_list& grad_outputs) {
+    // Each rank's consumers saw the same input but computed different output
+    // slices: the input's gradient is the sum of every rank's part.
+    return {allReduce(grad_outputs[0], "sum",
+                      ctx->saved_data["group_name"].toStringRef()),
+            at::Tensor()};
+  }
+};
+
 at::Tensor tpGatherAutograd(const at::Tensor& input, int64_t dim,
                             const std::string& group_name) {
   return TpGatherFn::apply(input, dim, group_name);
@@ -91,6 +110,11 @@ at::Tensor tpSplitAutograd(const at::Tensor& input, int64_t dim,
 at::Tensor tpReduceAutograd(const at::Tensor& input,
                             const std::string& group_name) {
   return TpReduceFn::apply(input, group_name);
+}
+
+at::Tensor tpCopyAutograd(const at::Tensor& input,
+                          const std::string& group_name) {
+  return TpCopyFn::apply(input, group_name);
 }
 
 }  // namespace
@@ -118,22 +142,30 @@ at::Tensor tpReduce(const at::Tensor& input, const std::string& group_name) {
   return allReduce(input, "sum", group_name);
 }
 
+at::Tensor tpCopy(const at::Tensor& input, const std::string& group_name) {
+  groupSize(group_name);  // resolves the group now: a bad name fails here
+  return input.clone();   // the output must not alias the input
+}
+
 }  // namespace smp::ops
 
 TORCH_LIBRARY_IMPL(smp, CPU, m) {
   m.impl("tp_gather", &smp::ops::tpGather);
   m.impl("tp_split", &smp::ops::tpSplit);
   m.impl("tp_reduce", &smp::ops::tpReduce);
+  m.impl("tp_copy", &smp::ops::tpCopy);
 }
 
 TORCH_LIBRARY_IMPL(smp, CUDA, m) {
   m.impl("tp_gather", &smp::ops::tpGather);
   m.impl("tp_split", &smp::ops::tpSplit);
   m.impl("tp_reduce", &smp::ops::tpReduce);
+  m.impl("tp_copy", &smp::ops::tpCopy);
 }
 
 TORCH_LIBRARY_IMPL(smp, Autograd, m) {
   m.impl("tp_gather", &smp::ops::tpGatherAutograd);
   m.impl("tp_split", &smp::ops::tpSplitAutograd);
   m.impl("tp_reduce", &smp::ops::tpReduceAutograd);
+  m.impl("tp_copy", &smp::ops::tpCopyAutograd);
 }

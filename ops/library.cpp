@@ -33,4 +33,5 @@ TORCH_LIBRARY(smp, m) {
       "-> Tensor",
       tags);
   m.def("tp_reduce(Tensor input, str group_name) -> Tensor", tags);
+  m.def("tp_copy(Tensor input, str group_name) -> Tensor", tags);
 }

@@ -56,5 +56,6 @@ at::Tensor tpSplit(const at::Tensor& input, int64_t dim, double grad_scale,
 
 // all_reduce sum.
 at::Tensor tpReduce(const at::Tensor& input, const std::string& group_name);
+at::Tensor tpCopy(const at::Tensor& input, const std::string& group_name);
 
 }  // namespace smp::ops

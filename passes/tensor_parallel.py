@@ -290,10 +290,33 @@ class _Rewrite:
         self._add_spec(weight, ShardSpec(0, blocks))
         if bias is not None:
             self._add_spec(bias, ShardSpec(0, blocks))
-        args = (self._arg(x, None), self.env[weight.name], self.env[bias.name] if bias else None)
-        new = self._emit(torch.ops.smp.column_parallel_linear.default, (*args, self.group))
+        local = (self.env[weight.name], self.env[bias.name] if bias else None)
+        if self._column_readers(x) > 1:
+            # q/k/v or gate/up on one input: one copy whose backward all-reduces once for all.
+            key = (x.name, "copy")
+            if key not in self.converted:
+                self.converted[key] = self._emit(
+                    torch.ops.smp.tp_copy.default, (self._arg(x, None), self.group)
+                )
+            new = self._emit(aten.linear.default, (self.converted[key], *local))
+        else:
+            new = self._emit(
+                torch.ops.smp.column_parallel_linear.default, (self._arg(x, None), *local, self.group)
+            )
         self._set(node, new, (node.meta["val"].dim() - 1, blocks))
         self.origin[node.name] = _module_stack(node)[-1]
+
+    def _column_readers(self, x: fx.Node) -> int:
+        """How many marked linears read `x` as a replicated input (column-parallel candidates)."""
+        if self.layout[x.name] is not None:
+            return 0
+        return sum(
+            1
+            for user in x.users
+            if user.target is aten.linear.default
+            and user.args[0] is x
+            and self._shardable(user, user.args[1])
+        )
 
     def _embedding(self, node: fx.Node) -> None:
         weight, indices = node.args[0], node.args[1]

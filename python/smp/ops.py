@@ -47,6 +47,7 @@ __all__ = [
     "row_parallel_linear",
     "tp_gather",
     "tp_reduce",
+    "tp_copy",
     "tp_split",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
@@ -148,6 +149,12 @@ def tp_split(input: Tensor, dim: int = -1, grad_scale: float = 1.0, group: Group
 def tp_reduce(input: Tensor, group: Group = None) -> Tensor:
     """All-reduce (sum) over the group (partial sums -> replicated). Backward: identity."""
     return torch.ops.smp.tp_reduce(input, _group_name(group))
+
+
+def tp_copy(input: Tensor, group: Group = None) -> Tensor:
+    """A copy of a replicated input that several column-parallel layers read (then as plain local
+    linears): backward all-reduces the gradient once for all of them. Megatron's `f`."""
+    return torch.ops.smp.tp_copy(input, _group_name(group))
 
 
 # --- fake kernels -------------------------------------------------------------
@@ -252,4 +259,9 @@ def _tp_split_fake(input, dim, grad_scale, group_name):
 
 @torch.library.register_fake("smp::tp_reduce")
 def _tp_reduce_fake(input, group_name):
+    return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("smp::tp_copy")
+def _tp_copy_fake(input, group_name):
     return input.new_empty(input.shape)

@@ -64,6 +64,7 @@ def _cases(dtype=torch.float32, device="cpu"):
         "split": (torch.ops.smp.tp_split, (r(2, 6, 4), 1, 1.0)),
         "split_scaled": (torch.ops.smp.tp_split, (r(2, 6, 4), -1, 0.5)),
         "reduce": (torch.ops.smp.tp_reduce, (r(2, 3, 4),)),
+        "copy": (torch.ops.smp.tp_copy, (r(2, 3, 4),)),
     }
 
 
@@ -298,6 +299,7 @@ COMPILED = {
     "gather_last": (["all_gather_into_tensor"], []),
     "split": ([], ["all_gather_into_tensor"]),
     "reduce": (["all_reduce"], []),
+    "copy": ([], ["all_reduce"]),
 }
 
 
@@ -339,7 +341,7 @@ def _tiny_model(x, ids, target, w_emb, w1, b1, w2, b2, group):
     h = ops.tp_gather(ops.tp_split(h, -1, 1.0, group), -1, group)
     h = ops.column_parallel_linear(h, w1, b1, group)
     h = ops.row_parallel_linear(F.gelu(h), w2, b2, group)
-    logits = F.linear(ops.tp_reduce(h, group), w_emb)
+    logits = F.linear(ops.tp_copy(ops.tp_reduce(h, group), group), w_emb)
     return ops.vocab_parallel_cross_entropy(logits, target, 0, -100, group)
 
 
@@ -522,6 +524,14 @@ def check_parity(rank, world_size, with_compile):
     total.backward(gy)
     _close(total, parts.sum(0), "tp_reduce")
     _close(mine.grad, gy, "tp_reduce grad")
+
+    # tp_copy: q/k/v-style column layers on one copy; the input gradient summed once over ranks.
+    x, ws = torch.randn(3, 4), torch.randn(world_size, 2, 4)
+    shared = _leaf(x)
+    out = F.linear(ops.tp_copy(shared, group), ws[rank])
+    out.backward(torch.ones_like(out))
+    _close(out, F.linear(x, ws[rank]), "tp_copy")
+    _close(shared.grad, torch.ones(3, 2) @ ws.sum(0), "tp_copy grad")
 
     size = 2 * world_size + 1
     with pytest.raises(
