@@ -51,6 +51,7 @@ from smp.core import (
     tp_size,
 )
 from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
+from smp.delayed_init import delay_param_initialization
 from smp.model import DistributedModel
 from smp.optimizer import DistributedOptimizer
 from smp.partitioning import partition, set_partition
@@ -73,6 +74,7 @@ MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
 
 __all__ = [
+    "delay_param_initialization",
     "amp",
     "ops",
     "BACKEND_NAME",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import activation_meter, core, microbatch, passes, tp_inputs
+from smp import activation_meter, core, delayed_init, microbatch, passes, tp_inputs
 from smp._backend import BACKEND_NAME
 from smp.grad_sync import GradSync
 from smp.partitioning import module_partitions
@@ -209,8 +209,11 @@ class DistributedModel(nn.Module):
     # --- placement ------------------------------------------------------------
 
     def _place_whole(self) -> None:
-        if torch.cuda.is_available():
-            self.module.to(torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if delayed_init.is_delayed(self.module):
+            self._materialize(device or torch.device("cpu"))
+        if device is not None:
+            self.module.to(device)
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         dp_group = self._broadcast_from_first_replica(tensors)
         self._grad_syncs = [
@@ -234,12 +237,21 @@ class DistributedModel(nn.Module):
         cfg = self._config
         stage = core.pp_rank()
         device = _input_device(args, kwargs)
-        self.module.to(device)
-        captured = passes.capture(self.module, args, kwargs)
+        delayed = delayed_init.is_delayed(self.module)
+        if delayed:  # capture on meta tensors; only this rank's part is ever allocated
+            if self._trace_execution_times:
+                raise ValueError(
+                    "smp: trace_execution_times needs real parameters; it cannot be combined with "
+                    "smp.delay_param_initialization()"
+                )
+            args, kwargs = delayed_init.to_meta((args, kwargs))
+        else:
+            self.module.to(device)
+        captured = self._capture(args, kwargs, device if delayed else None)
         plan = self._plan(captured, args, kwargs)
         modes = {_training_flags(self.module): (captured, plan)}
         with _opposite_mode(self.module) as flags:
-            other = passes.capture(self.module, args, kwargs)
+            other = self._capture(args, kwargs, device if delayed else None)
             modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
         if core.tp_size() > 1:
             modes = self._shard(modes, args, kwargs)
@@ -247,6 +259,12 @@ class DistributedModel(nn.Module):
         pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
         plans = [p for _, p in modes.values()]
         self._keep_local(captured.graph_module, pipes.values(), plans, stage)
+        if delayed:
+            replaced = self._materialize(device)
+            for graph_module in [c.graph_module for c, _ in modes.values()] + [
+                s.module for pipe in pipes.values() for s in pipe.stages if s.module is not None
+            ]:
+                delayed_init.replace_in(graph_module, replaced)
         shared = self._shared_groups(captured.graph_module, plans, stage)
         self._synchronize_replicas(shared)
         self._meter = activation_meter.SavedActivationMeter(self.module.parameters())
@@ -261,6 +279,36 @@ class DistributedModel(nn.Module):
         self.partitioned = True
         if cfg.debug and core.rank() == 0:
             print(plan.report(), flush=True)
+
+    def _capture(self, args: tuple, kwargs: dict, retarget: torch.device | None):
+        captured = passes.capture(self.module, args, kwargs)
+        if retarget is not None:
+            delayed_init.retarget(captured.graph_module, retarget)
+        return captured
+
+    def _materialize(self, device: torch.device) -> dict[int, torch.Tensor]:
+        """Delayed initialization: allocates and initializes this rank's part; replicated tensors
+        then come from the tensor-parallel group's first rank, so the group agrees on them."""
+        full_shapes = {}
+        for p in self.module.parameters():
+            spec = self._tp_specs.get(id(p))
+            if spec is not None:
+                shape = list(p.shape)
+                shape[spec.dim] *= core.tp_size()
+                full_shapes[id(p)] = torch.Size(shape)
+        replaced = delayed_init.materialize(
+            self.module, full_shapes, device, self._config.tensor_parallel_seed, core.tp_rank()
+        )
+        self._tp_specs = {
+            id(replaced.get(key, None)) if key in replaced else key: spec
+            for key, spec in self._tp_specs.items()
+        }
+        if core.tp_size() > 1:
+            replicated = [p for p in self.module.parameters() if id(p) not in self._tp_specs]
+            self._broadcast_over(
+                replicated + list(self.module.buffers()), core.get_tp_process_group(), core.get_tp_group()
+            )
+        return replaced
 
     def _shard(self, modes: dict, args: tuple, kwargs: dict) -> dict:
         """Runs the tensor-parallel pass on each captured mode (sharing shards and decisions) and
@@ -295,13 +343,13 @@ class DistributedModel(nn.Module):
 
     def _install_shards(self, result) -> None:
         """Puts each sharded parameter's local shard in the module in place of the full one, whose
-        storage is freed (a DistributedOptimizer built on the full one follows `_smp_sharded_as`)."""
+        storage is freed (a DistributedOptimizer built on the full one follows `_smp_moved_to`)."""
         for owner in self.module.modules():
             for name, p in list(owner._parameters.items()):
                 if p is not None and id(p) in result.shards:
                     owner._parameters[name] = result.shards[id(p)]
-                    if getattr(p, "_smp_sharded_as", None) is None:
-                        p._smp_sharded_as = result.shards[id(p)]
+                    if getattr(p, "_smp_moved_to", None) is None:
+                        p._smp_moved_to = result.shards[id(p)]
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         named = self.module.named_parameters(remove_duplicate=False)
         self._tp_specs = {id(p): result.specs[path] for path, p in named if path in result.specs}

@@ -60,7 +60,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if getattr(p, "_smp_replaced", False):
                     raise ValueError(_BUILT_BEFORE_WRAP)
-                moved = getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_sharded_as")
+                moved = getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_moved_to")
                 if id(p) not in owned and not moved:
                     raise ValueError(
                         "smp.DistributedOptimizer: the optimizer holds a parameter of shape "
@@ -232,7 +232,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._localized or not self._model.partitioned:
             return
         for group in self.optimizer.param_groups:
-            local = (getattr(p, "_smp_sharded_as", p) for p in group["params"])
+            local = (_current(p) for p in group["params"])
             group["params"] = list(dict.fromkeys(p for p in local if not getattr(p, "_smp_nonlocal", False)))
         cfg = self._model._config
         self._flat_sharded = bool(cfg.shard_optimizer_state) and core.rdp_size() > 1
@@ -247,6 +247,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._scaler.dynamic and self._scaler.scale == 1.0:
             return {}
         return {"smp_loss_scaler": self._scaler.state_dict()}
+
+
+def _current(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """The parameter the model now trains in place of `p` (its shard, or its materialized copy)."""
+    while hasattr(p, "_smp_moved_to"):
+        p = p._smp_moved_to
+    return p
 
 
 def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -265,7 +272,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(getattr(p, "_smp_replaced", False) for p in params):
         raise RuntimeError(_BUILT_BEFORE_WRAP)
-    moved = any(getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_sharded_as") for p in params)
+    moved = any(getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_moved_to") for p in params)
     if moved and not getattr(optimizer, "_smp_distributed", False):
         raise RuntimeError(
             "smp: this optimizer holds parameters that pipeline partitioning moved to other ranks or that "

@@ -3,6 +3,7 @@ replicated fallbacks, the pass on its own, checkpoints and errors."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pipeline_cases
@@ -174,3 +175,51 @@ def _prescaled_mismatch(rank, world_size):
 def test_prescaled_batch_must_match_across_the_group():
     with pytest.raises(RankFailure, match="prescaled_batch=True every rank of a tensor-parallel group"):
         run_ranks(_prescaled_mismatch, 2, timeout=120)
+
+
+def _delayed_init(rank, world_size):
+    import smp
+
+    smp.init({"tensor_parallel_degree": 2, "prescaled_batch": True, "tensor_parallel_seed": 7})
+    with smp.delay_param_initialization(), smp.tensor_parallelism():
+        model = pipeline_cases.models.GPT(layers=2)
+    meta_before = all(p.is_meta for p in model.parameters())
+    dmodel = smp.DistributedModel(model)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(dmodel(ids), ids)
+        dmodel.backward(loss)
+        return loss
+
+    batch = pipeline_cases.CASES["counting"]()[1]
+    losses = []
+    for s in range(3):
+        opt.zero_grad()
+        losses.append(train_step(batch(s, 8)["ids"]).reduce_mean().item())
+        if s == 0:
+            # numpy: tensors would travel back by shared memory that dies with this process
+            initial = {n: p.detach().numpy().copy() for n, p in dmodel.local_named_parameters()}
+        opt.step()
+    return {
+        "meta_before": meta_before,
+        "meta_after": any(p.is_meta for p in dmodel.parameters()),
+        "initial": initial,
+        "distributed": [n for n, p in dmodel.local_named_parameters() if dmodel.is_distributed_parameter(p)],
+        "losses": losses,
+    }
+
+
+def test_delayed_initialization_initializes_each_shard():
+    a, b = run_ranks(_delayed_init, 2, timeout=180)
+    assert a["meta_before"] and not a["meta_after"] and not b["meta_after"]
+    for name, array in a["initial"].items():
+        same = (array == b["initial"][name]).all()
+        assert same == (name not in a["distributed"]), name  # shards differ, replicated ones agree
+    # A row-parallel shard [32, 16] draws from the whole weight's distribution (fan-in 32, not 16).
+    proj = torch.from_numpy(a["initial"]["blocks.0.attn.proj.weight"])
+    assert proj.shape == (32, 16)
+    bound = 1 / 32**0.5
+    assert 0.8 * bound < proj.abs().max() <= bound
+    assert all(math.isfinite(x) for x in a["losses"])

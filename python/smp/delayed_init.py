@@ -1,0 +1,136 @@
+"""Delayed parameter initialization: `with smp.delay_param_initialization():`.
+
+Modules built inside the block get their parameters and buffers on the meta device
+(shapes only, no memory). smp.DistributedModel captures and partitions the model on
+meta tensors, shards it, and then materializes only what this rank keeps: each module
+that owns kept tensors is re-initialized by its own `reset_parameters()`, on its shard.
+A shard is seeded from `tensor_parallel_seed`, the module's path and the rank's
+`tp_rank` (shards differ across the group, as SMP's did); replicated tensors are
+seeded without tp_rank and then taken from the group's first rank, so they agree.
+Initializers see the full parameter's fan-in and fan-out, so a row-parallel shard
+draws from the same distribution as the whole weight would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True):
+    """Modules constructed inside get meta tensors, initialized after partitioning (see module doc)."""
+    if not enabled:
+        yield
+        return
+    with torch.device("meta"):
+        yield
+
+
+def is_delayed(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def to_meta(tree: Any) -> Any:
+    """Tensors of `tree` as meta tensors (for capturing a model whose parameters are meta)."""
+
+    def convert(x):
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    return torch.utils._pytree.tree_map(convert, tree)
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> None:
+    """A graph captured on meta tensors creates its tensors on `device` instead."""
+    meta = torch.device("meta")
+
+    def fix(value):
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, fix)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+    gm.recompile()
+
+
+def materialize(
+    root: nn.Module,
+    full_shapes: dict[int, torch.Size],
+    device: torch.device,
+    seed: int,
+    tp_rank: int,
+) -> dict[int, torch.Tensor]:
+    """Allocates and initializes the meta tensors `root` still holds (this rank's part), in new
+    tensor objects put in the modules; returns id(meta tensor) -> its replacement, for the other
+    holders (stage graphs; an optimizer follows `_smp_moved_to`).
+
+    full_shapes: id(shard) -> the shape of the whole parameter, for tensor-parallel shards.
+    """
+    replaced: dict[int, torch.Tensor] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        own = [
+            (n, t)
+            for n, t in list(module._parameters.items()) + list(module._buffers.items())
+            if t is not None
+        ]
+        if not any(t.is_meta for _, t in own):
+            continue
+        if not hasattr(module, "reset_parameters"):
+            names = [f"{path}.{n}" if path else n for n, t in own if t.is_meta]
+            raise RuntimeError(
+                f"smp: delayed initialization cannot initialize {names} of {type(module).__name__}, which "
+                "has no reset_parameters(); build that module outside smp.delay_param_initialization(), "
+                "or give it a reset_parameters() that initializes its tensors"
+            )
+        shapes = {}
+        for name, t in own:
+            if t.is_meta and id(t) not in replaced:
+                replaced[id(t)] = _allocated(t, device)
+            if id(t) in replaced:
+                new = replaced[id(t)]
+                (module._parameters if name in module._parameters else module._buffers)[name] = new
+                if id(t) in full_shapes:
+                    shapes[id(new)] = full_shapes[id(t)]
+        sharded = bool(shapes)
+        with torch.random.fork_rng(devices=[]), _full_fans(shapes):
+            torch.manual_seed(seed + zlib.crc32(path.encode()) + (1_000_003 * tp_rank if sharded else 0))
+            module.reset_parameters()
+    return replaced
+
+
+def replace_in(module: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
+    """Points every parameter and buffer slot of `module` (a graph module) at the replacements."""
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, t in list(table.items()):
+                if t is not None and id(t) in replaced:
+                    table[name] = replaced[id(t)]
+
+
+def _allocated(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor to replace a meta one (whose .data cannot become real in place)."""
+    real = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    if isinstance(tensor, nn.Parameter):
+        real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+        real.__dict__.update(tensor.__dict__)  # smp's marks
+        tensor._smp_moved_to = real
+    return real
+
+
+@contextlib.contextmanager
+def _full_fans(full_shapes: dict[int, torch.Size]):
+    original = nn.init._calculate_fan_in_and_fan_out
+
+    def fans(tensor):
+        shape = full_shapes.get(id(tensor))
+        return original(torch.empty(shape, device="meta") if shape is not None else tensor)
+
+    nn.init._calculate_fan_in_and_fan_out = fans
+    try:
+        yield
+    finally:
+        nn.init._calculate_fan_in_and_fan_out = original
