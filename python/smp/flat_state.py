@@ -30,6 +30,7 @@ class _FlatGroup:
     numel: int  # without padding
     chunk: int  # elements per rank
     master: nn.Parameter  # this rank's chunk, fp32
+    gathered: torch.Tensor | None = None  # the all-gather's buffer, kept across steps
 
     @property
     def lo(self) -> int:
@@ -88,7 +89,8 @@ class FlatState:
         returns whether this rank saw an inf or nan."""
         overflow = False
         for flat in self.groups:
-            grad = torch.zeros_like(flat.master)
+            grad = flat.master.grad if flat.master.grad is not None else torch.empty_like(flat.master)
+            grad.zero_()  # reused across steps, like the gather buffer
             for p, p_start, c_start, n in flat.overlaps():
                 g = grad_of(p)
                 if g is not None:
@@ -132,7 +134,10 @@ class FlatState:
                 if self._group is None:
                     full = local
                 else:
-                    full = torch.empty(flat.chunk * self._size, dtype=dtype, device=local.device)
+                    # One buffer per group for the whole run: a fresh one costs page faults every step.
+                    if flat.gathered is None:
+                        flat.gathered = torch.empty(flat.chunk * self._size, dtype=dtype, device=local.device)
+                    full = flat.gathered
                     dist.all_gather_into_tensor(full, local, group=self._group)
                 for p, off in zip(flat.params, flat.offsets, strict=True):
                     p.copy_(full[off : off + p.numel()].view_as(p))

@@ -94,10 +94,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        if self._flat is not None:
-            for p in self._model.module.parameters():
-                p.grad = None
+        if self._flat is None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        self.optimizer.zero_grad(set_to_none=False)  # the chunks' grad buffers are kept across steps
+        for p in self._model.module.parameters():
+            p.grad = None
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients about to be applied by their global L2 norm over every stage,
