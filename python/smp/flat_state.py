@@ -84,9 +84,11 @@ class FlatState:
 
     # --- gradients --------------------------------------------------------------------
 
-    def load_grads(self, grad_of: Callable[[nn.Parameter], torch.Tensor | None], scale: float) -> bool:
+    def load_grads(
+        self, grad_of: Callable[[nn.Parameter], torch.Tensor | None], scale: float, check: bool
+    ) -> bool:
         """Sets each master chunk's grad from the parameters' gradients (divided by `scale`);
-        returns whether this rank saw an inf or nan."""
+        with `check`, returns whether this rank saw an inf or nan (a sum is enough to tell)."""
         overflow = False
         for flat in self.groups:
             grad = flat.master.grad if flat.master.grad is not None else torch.empty_like(flat.master)
@@ -97,7 +99,8 @@ class FlatState:
                     grad[c_start : c_start + n] = g.reshape(-1)[p_start : p_start + n]
             if scale != 1.0:
                 grad.div_(scale)
-            overflow = overflow or not bool(torch.isfinite(grad).all())
+            if check:
+                overflow = overflow or not bool(torch.isfinite(grad.sum()))
             flat.master.grad = grad
         return overflow
 

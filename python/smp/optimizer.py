@@ -208,7 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scale = self._scaler.scale
         checks = self._scaler.dynamic or scale != 1.0 or self._model._config.fp16
         if self._flat is not None:
-            overflow = self._flat.load_grads(_grad_of, scale)
+            overflow = self._flat.load_grads(_grad_of, scale, checks)
         else:
             overflow = False
             for p in self._params():
