@@ -1,7 +1,7 @@
 """Sharded optimizer state (ZeRO-1): smp against torch's ZeroRedundancyOptimizer, measured in the same run.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/optimizer.py [--steps 20] [--json FILE]
-        [--profile] [--only smp|peer]
+        [--profile] [--only smp|peer] [--zero-bucket-view] [--ddp-grad-bucket-view]
 
 (with the package installed, or PYTHONPATH=python from the repository root)
 
