@@ -64,14 +64,12 @@ class TensorParallelResult:
     shards: dict[int, nn.Parameter]
     # Module path or parameter name -> why it stays replicated.
     replicated: dict[str, str]
-    # Modules whose parameters are sharded.
-    distributed_modules: list[str]
 
 
 class _Demote(Exception):
-    def __init__(self, key: str, reason: str, param: bool = False):
+    def __init__(self, key: str, reason: str):
         super().__init__(reason)
-        self.key, self.reason, self.param = key, reason, param
+        self.key, self.reason = key, reason
 
 
 def tensor_parallel(
@@ -115,8 +113,7 @@ def tensor_parallel(
         _assign(gm, target, shards[id(full)])
     gm.graph = graph
     gm.recompile()
-    modules = sorted({_owner(target) for target in rewrite.specs})
-    return TensorParallelResult(dict(rewrite.specs), shards, replicated, modules)
+    return TensorParallelResult(dict(rewrite.specs), shards, replicated)
 
 
 class _Rewrite:
@@ -225,7 +222,7 @@ class _Rewrite:
 
     def _read_whole(self, attr: fx.Node) -> None:
         if attr.target in self.specs:
-            raise _Demote(attr.target, self._shared_reason(attr.target, self.current.name), param=True)
+            raise _Demote(attr.target, self._shared_reason(attr.target, self.current.name))
         self.replicated_uses.setdefault(attr.target, self.current.name)
 
     def _shared_reason(self, target: str, reader: str) -> str:
@@ -234,9 +231,9 @@ class _Rewrite:
     def _add_spec(self, attr: fx.Node, spec: ShardSpec) -> None:
         target = attr.target
         if target in self.replicated_uses:
-            raise _Demote(target, self._shared_reason(target, self.replicated_uses[target]), param=True)
+            raise _Demote(target, self._shared_reason(target, self.replicated_uses[target]))
         if self.specs.setdefault(target, spec) != spec:
-            raise _Demote(target, f"{target} would be split two ways ({self.specs[target]} and {spec})", True)
+            raise _Demote(target, f"{target} would be split two ways ({self.specs[target]} and {spec})")
 
     def _generic(self, node: fx.Node) -> None:
         if node.target is aten._assert_tensor_metadata.default and self.layout.get(node.args[0].name):
@@ -789,10 +786,6 @@ def _bound(node: fx.Node) -> dict[str, Any]:
 
 def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
-
-
-def _owner(target: str) -> str:
-    return target.rsplit(".", 1)[0] if "." in target else ""
 
 
 def _is_param_key(gm: fx.GraphModule, key: str) -> bool:

@@ -29,12 +29,9 @@ class _FlatGroup:
     offsets: list[int]  # start of each parameter in the flat vector
     numel: int  # without padding
     chunk: int  # elements per rank
+    lo: int  # where this rank's chunk starts
     master: nn.Parameter  # this rank's chunk, fp32
     gathered: torch.Tensor | None = None  # the all-gather's buffer, kept across steps
-
-    @property
-    def lo(self) -> int:
-        return self.master._smp_lo
 
     def overlaps(self):
         """(param, start in param, start in chunk, length) for each parameter overlapping the chunk."""
@@ -72,9 +69,7 @@ class FlatState:
             lo = self._rank * chunk
             device = params[0].device if params else torch.device("cpu")
             master = torch.zeros(chunk, dtype=torch.float32, device=device)
-            flat = _FlatGroup(params, offsets, total, chunk, None)  # type: ignore[arg-type]
-            flat.master = nn.Parameter(master)
-            flat.master._smp_lo = lo
+            flat = _FlatGroup(params, offsets, total, chunk, lo, nn.Parameter(master))
             with torch.no_grad():
                 for p, p_start, c_start, n in flat.overlaps():
                     master[c_start : c_start + n] = p.detach().reshape(-1)[p_start : p_start + n].float()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import activation_meter, core, delayed_init, microbatch, passes, tp_inputs
+from smp import activation_meter, core, delayed_init, grad_norm, microbatch, passes, tp_inputs
 from smp._backend import BACKEND_NAME
 from smp.grad_sync import GradSync
 from smp.partitioning import module_partitions
@@ -102,9 +102,9 @@ class DistributedModel(nn.Module):
         # The full state_dict's keys, in order (tied tensors appear under each name).
         self._keys = list(module.state_dict(keep_vars=True).keys())
         self._runtimes: dict[tuple[bool, ...], StageRuntime] = {}
-        self._grad_syncs: list[GradSync] = []
+        self._grad_sync: GradSync | None = None
+        self._shared_params: dict[int, dist.ProcessGroup] = {}  # id -> group of the stages sharing it
         self._tp_specs: dict[int, passes.ShardSpec] = {}  # id(local shard) -> how it was cut
-        self._distributed_modules: list[str] = []
         self._meter: activation_meter.SavedActivationMeter | None = None
         self._track_activations = False
         self.partition_plan: passes.PartitionPlan | None = None
@@ -190,8 +190,8 @@ class DistributedModel(nn.Module):
                 "its activations may still be in flight between stages, so this pipeline cannot run "
                 "another step: restart the job (from a checkpoint)"
             )
-        for sync in self._grad_syncs:
-            sync.start_step(self._config.microbatches)
+        if self._grad_sync is not None:
+            self._grad_sync.start_step(self._config.microbatches)
         self._backward_ran = False
         if self._broadcast_buffers and self.partitioned:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
@@ -200,8 +200,8 @@ class DistributedModel(nn.Module):
     def _finish_step(self) -> None:
         for runtime in self._runtimes.values():
             runtime.finish_step()
-        for sync in self._grad_syncs:
-            sync.finish_step()
+        if self._grad_sync is not None:
+            self._grad_sync.finish_step()
         if self._backward_ran:
             for optimizer in self._optimizers:
                 optimizer._gradients_ready()
@@ -216,13 +216,9 @@ class DistributedModel(nn.Module):
             self.module.to(device)
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         dp_group = self._broadcast_from_first_replica(tensors)
-        self._grad_syncs = [
-            GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb, self._fp32_grads())
-        ]
+        fp32 = self._dtype is not None
+        self._grad_sync = GradSync(list(self.module.parameters()), dp_group, [], self._bucket_cap_mb, fp32)
         self.partitioned = True
-
-    def _fp32_grads(self) -> bool:
-        return self._dtype is not None
 
     def _captures(self) -> bool:
         """Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers)."""
@@ -299,10 +295,7 @@ class DistributedModel(nn.Module):
         replaced = delayed_init.materialize(
             self.module, full_shapes, device, self._config.tensor_parallel_seed, core.tp_rank()
         )
-        self._tp_specs = {
-            id(replaced.get(key, None)) if key in replaced else key: spec
-            for key, spec in self._tp_specs.items()
-        }
+        self._tp_specs = {id(replaced[k]) if k in replaced else k: v for k, v in self._tp_specs.items()}
         if core.tp_size() > 1:
             replicated = [p for p in self.module.parameters() if id(p) not in self._tp_specs]
             self._broadcast_over(
@@ -353,11 +346,6 @@ class DistributedModel(nn.Module):
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         named = self.module.named_parameters(remove_duplicate=False)
         self._tp_specs = {id(p): result.specs[path] for path, p in named if path in result.specs}
-        self._distributed_modules = sorted(
-            path.rsplit(".", 1)[0] if "." in path else ""
-            for path, p in self.module.named_parameters(remove_duplicate=False)
-            if id(p) in self._tp_specs
-        )
 
     def _synchronize_replicas(self, shared) -> None:
         """Replicas start equal (as DDP): replicated tensors from the data-parallel group's first
@@ -370,14 +358,11 @@ class DistributedModel(nn.Module):
         replicated = [p for p in params if id(p) not in self._tp_specs]
         self._broadcast_from_first_replica(replicated + list(self.module.buffers()))
         rdp_group = self._broadcast_over(distributed, core.get_rdp_process_group(), core.get_rdp_group())
-        if rdp_group is None and core.rdp_size() > 1:
-            rdp_group = core.get_rdp_process_group()
         for _, p, group in shared:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
-        self._grad_syncs = [GradSync(params, rdp_group, shared, self._bucket_cap_mb, self._fp32_grads())]
+        self._grad_sync = GradSync(params, rdp_group, shared, self._bucket_cap_mb, self._dtype is not None)
         self._shared_params = {id(p): group for _, p, group in shared}
-        for sync in self._grad_syncs:
-            sync.start_step(self._config.microbatches)
+        self._grad_sync.start_step(self._config.microbatches)
 
     def _plan(self, captured, args: tuple, kwargs: dict) -> passes.PartitionPlan:
         cfg = self._config
@@ -571,29 +556,15 @@ class DistributedModel(nn.Module):
         DistributedOptimizer it clips the gradients that optimizer is about to apply."""
         if self._optimizers:
             return self._optimizers[0].clip_master_grads(max_norm, norm_type)
-        if norm_type != 2.0:
-            raise ValueError(f"smp: clip_grad_norm_ supports the L2 norm (norm_type=2), got {norm_type}")
-        local = torch.zeros((), dtype=torch.float64)
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if core.rdp_rank() == 0:
-            for p in params:
-                if self._counts_in_norm(p):
-                    local += p.grad.detach().double().pow(2).sum().cpu()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local)
-        norm = local.sqrt().float()
-        coef = max_norm / (norm.item() + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-        return norm
+        grad_norm.check_norm_type(norm_type, "clip_grad_norm_")
+        return grad_norm.clip_whole(self.module.parameters(), self._counts_in_norm, max_norm)
 
     def _counts_in_norm(self, param: torch.Tensor) -> bool:
         """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
         always; replicated parameters on tp rank 0; a parameter shared by stages on its first one."""
         if id(param) not in self._tp_specs and core.tp_rank() != 0:
             return False
-        group = getattr(self, "_shared_params", {}).get(id(param))
+        group = self._shared_params.get(id(param))
         return group is None or dist.get_global_rank(group, 0) == dist.get_rank()
 
     # --- tensor parallelism (SMP v1 names) -----------------------------------------------------
@@ -610,7 +581,12 @@ class DistributedModel(nn.Module):
 
     def distributed_modules(self) -> list[nn.Module]:
         """Modules whose parameters are sharded over the tensor-parallel group."""
-        return [self.module.get_submodule(path) for path in dict.fromkeys(self._distributed_modules)]
+        owners = {
+            path.rsplit(".", 1)[0] if "." in path else ""
+            for path, p in self.module.named_parameters(remove_duplicate=False)
+            if id(p) in self._tp_specs
+        }
+        return [self.module.get_submodule(path) for path in sorted(owners)]
 
     def default_reducer_named_parameters(self):
         """Parameters whose gradients are averaged over the data-parallel group."""

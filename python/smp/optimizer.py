@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from smp import core
+from smp import core, grad_norm
 from smp import model as model_lib
 from smp.flat_state import FlatState
 from smp.loss_scale import LossScaler, any_rank
@@ -105,30 +105,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clips the gradients about to be applied by their global L2 norm over every stage,
         tensor-parallel shard and optimizer shard (a replicated parameter counts once);
         returns that norm. A collective: call it on every rank."""
-        if norm_type != 2.0:
-            raise ValueError(f"smp: clip_master_grads supports the L2 norm (norm_type=2), got {norm_type}")
+        grad_norm.check_norm_type(norm_type, "clip_master_grads")
         self._localize()
         counts = self._model._counts_in_norm
         if self._flat is not None:
-            local = self._flat.squared_norm(lambda p: counts(p) and self._flat_counts_rdp())
-        else:
-            local = torch.zeros((), dtype=torch.float64)
-            if core.rdp_rank() == 0:
-                for p in self._params():
-                    if p.grad is not None and counts(p):
-                        local += p.grad.detach().double().pow(2).sum().cpu()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local)
-        norm = local.sqrt().float()
-        coef = max_norm / (norm.item() + 1e-6)
-        if coef < 1.0 and torch.isfinite(norm):
-            if self._flat is not None:
-                self._flat.scale_grads(coef)
-            else:
-                for p in self._params():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return norm
+            flat = self._flat
+            return grad_norm.clip(
+                flat.squared_norm(lambda p: counts(p) and self._flat_counts_rdp()), max_norm, flat.scale_grads
+            )
+        return grad_norm.clip_whole(self._params(), counts, max_norm)
 
     def state_dict(self):
         """The optimizer state of this rank's parameters, per parameter and whole (with

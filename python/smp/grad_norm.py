@@ -1,0 +1,54 @@
+"""Global gradient-norm clipping across stages, tensor-parallel shards and optimizer chunks.
+
+Each rank adds up the squares of the gradient elements it is the one to count (see
+DistributedModel._counts_in_norm and the optimizer's chunks); one all-reduce over the
+world gives the global norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from smp import core
+
+
+def check_norm_type(norm_type: float, name: str) -> None:
+    if norm_type != 2.0:
+        raise ValueError(f"smp: {name} supports the L2 norm (norm_type=2), got {norm_type}")
+
+
+def unsharded_squares(
+    params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Tensor], bool]
+) -> torch.Tensor:
+    """Squares of whole gradients, which every reduced-data-parallel replica holds: rdp rank 0 counts them."""
+    total = torch.zeros((), dtype=torch.float64)
+    if core.rdp_rank() == 0:
+        for p in params:
+            if p.grad is not None and counts(p):
+                total += p.grad.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def clip(local_squares: torch.Tensor, max_norm: float, scale: Callable[[float], None]) -> torch.Tensor:
+    """The global norm from every rank's `local_squares`; calls scale(coef) when it exceeds max_norm."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local_squares)
+    norm = local_squares.sqrt().float()
+    coef = max_norm / (norm.item() + 1e-6)
+    if coef < 1.0 and torch.isfinite(norm):
+        scale(coef)
+    return norm
+
+
+def clip_whole(params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Tensor], bool], max_norm: float):
+    """clip() over the whole gradients of `params` (no optimizer chunks)."""
+    params = [p for p in params if p.grad is not None]
+
+    def scale(coef: float) -> None:
+        for p in params:
+            p.grad.mul_(coef)
+
+    return clip(unsharded_squares(params, counts), max_norm, scale)
