@@ -267,13 +267,28 @@ class _Rewrite:
     def _linear(self, node: fx.Node) -> None:
         x, weight = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        self._linear_layer(node, x, weight, bias, transposed=False)
+
+    def _addmm(self, node: fx.Node) -> None:
+        """addmm(bias, x, weight) with a [in, out] weight: HF's Conv1D (GPT-2) is a linear layer."""
+        bias, x, weight = node.args[:3]
+        bound = _bound(node)
+        plain = bound["beta"] == 1 and bound["alpha"] == 1 and bias.meta["val"].dim() == 1
+        if not plain:
+            return self._generic(node)
+        self._linear_layer(node, x, weight, bias, transposed=True)
+
+    def _linear_layer(self, node: fx.Node, x: fx.Node, weight: fx.Node, bias, transposed: bool) -> None:
+        """x @ W^T + b (or x @ W + b when `transposed`, the weight stored [in, out])."""
         if not self._shardable(node, weight):
             return self._generic(node)
-        out_features = weight.meta["val"].shape[0]
+        out_dim, in_dim = (1, 0) if transposed else (0, 1)
+        out_features = weight.meta["val"].shape[out_dim]
         x_nd = x.meta["val"].dim()
         if self.layout[x.name] == (x_nd - 1, 1):  # input sharded on its features: row-parallel
-            self._add_spec(weight, ShardSpec(1))
-            args = (self.env[x.name], self.env[weight.name], self._arg(bias, None) if bias else None)
+            self._add_spec(weight, ShardSpec(in_dim))
+            w = self._weight(weight, ShardSpec(in_dim), transposed)
+            args = (self.env[x.name], w, self._arg(bias, None) if bias else None)
             new = self._emit(torch.ops.smp.row_parallel_linear.default, (*args, self.group))
             self._set(node, new, None)
             return
@@ -284,10 +299,13 @@ class _Rewrite:
                 f"the {out_features} output features of {_module_stack(node)[-1]} do not divide by "
                 f"tensor_parallel_degree={self.size}",
             )
-        self._add_spec(weight, ShardSpec(0, blocks))
+        self._add_spec(weight, ShardSpec(out_dim, blocks))
         if bias is not None:
             self._add_spec(bias, ShardSpec(0, blocks))
-        local = (self.env[weight.name], self.env[bias.name] if bias else None)
+        local = (
+            self._weight(weight, ShardSpec(out_dim, blocks), transposed),
+            self.env[bias.name] if bias else None,
+        )
         if self._column_readers(x) > 1:
             # q/k/v or gate/up on one input: one copy whose backward all-reduces once for all.
             key = (x.name, "copy")
@@ -303,6 +321,13 @@ class _Rewrite:
         self._set(node, new, (node.meta["val"].dim() - 1, blocks))
         self.origin[node.name] = _module_stack(node)[-1]
 
+    def _weight(self, weight: fx.Node, spec: ShardSpec, transposed: bool) -> fx.Node:
+        """The local shard as a [out, in] linear weight."""
+        if not transposed:
+            return self.env[weight.name]
+        local = _local_val(weight.meta["val"], (spec.dim, spec.blocks), self.size)
+        return self._emit(aten.t.default, (self.env[weight.name],), val=local.t())
+
     def _column_readers(self, x: fx.Node) -> int:
         """How many marked linears read `x` as a replicated input (column-parallel candidates)."""
         if self.layout[x.name] is not None:
@@ -310,9 +335,16 @@ class _Rewrite:
         return sum(
             1
             for user in x.users
-            if user.target is aten.linear.default
-            and user.args[0] is x
-            and self._shardable(user, user.args[1])
+            if (
+                user.target is aten.linear.default
+                and user.args[0] is x
+                and self._shardable(user, user.args[1])
+            )
+            or (
+                user.target is aten.addmm.default
+                and user.args[1] is x
+                and self._shardable(user, user.args[2])
+            )
         )
 
     def _embedding(self, node: fx.Node) -> None:
@@ -411,13 +443,13 @@ class _Rewrite:
             self.origin[node.name] = self.origin[node.args[0].name]
 
     def _view(self, node: fx.Node) -> None:
-        layout = self._sharded_input(node)
+        layout = self._sharded_input(node, plain_blocks=False)
         if layout is None:
             return
         before, after = list(node.args[0].meta["val"].shape), list(node.meta["val"].shape)
         dim = _view_dim(before, after, layout[0])
-        if dim is None:
-            return self._generic(node)
+        if dim is None or (layout[1] != 1 and after[dim] != before[layout[0]]):
+            return self._generic(node)  # blocks survive only a view that keeps their dimension
         if after[dim] % self.size:
             self._demote_block(
                 node,
@@ -426,7 +458,7 @@ class _Rewrite:
             )
         sizes = list(after)
         sizes[dim] //= self.size
-        self._keep(node, dim, args=(None, sizes, *node.args[2:]))
+        self._keep(node, dim, layout[1], args=(None, sizes, *node.args[2:]))
 
     def _transpose(self, node: fx.Node) -> None:
         layout = self._sharded_input(node, plain_blocks=False)
@@ -639,6 +671,7 @@ class _Rewrite:
 
 _HANDLERS = {
     aten.linear.default: _Rewrite._linear,
+    aten.addmm.default: _Rewrite._addmm,
     aten.embedding.default: _Rewrite._embedding,
     aten.cross_entropy_loss.default: _Rewrite._cross_entropy,
     aten.view.default: _Rewrite._view,
@@ -719,11 +752,20 @@ def _covers(dims: list[int], total: int) -> bool:
 
 
 def _fused_blocks(linear: fx.Node) -> int:
-    """k when the linear's only use splits its output features into k equal parts (fused q/k/v)."""
+    """k when the linear's only use splits its output features into k equal parts (fused q/k/v),
+    directly or after a view that keeps the feature dimension (GPT-2's Conv1D works in 2-D)."""
     users = list(linear.users)
     if len(users) != 1:
         return 1
     user = users[0]
+    if user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        if user.meta["val"].shape[-1] != linear.meta["val"].shape[-1]:
+            return 1
+        linear = user
+        users = list(user.users)
+        if len(users) != 1:
+            return 1
+        user = users[0]
     if user.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
         return 1
     nd = linear.meta["val"].dim()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import activation_meter, core, delayed_init, grad_norm, microbatch, passes, tp_inputs
+from smp import activation_meter, core, delayed_init, grad_norm, hf, microbatch, passes, tp_inputs
 from smp._backend import BACKEND_NAME
 from smp.grad_sync import GradSync
 from smp.partitioning import module_partitions
@@ -101,6 +101,7 @@ class DistributedModel(nn.Module):
         _refresh_parameters(module)
         # The full state_dict's keys, in order (tied tensors appear under each name).
         self._keys = list(module.state_dict(keep_vars=True).keys())
+        self._call_defaults = hf.call_defaults(module)
         self._runtimes: dict[tuple[bool, ...], StageRuntime] = {}
         self._grad_sync: GradSync | None = None
         self._shared_params: dict[int, dist.ProcessGroup] = {}  # id -> group of the stages sharing it
@@ -112,6 +113,7 @@ class DistributedModel(nn.Module):
         self._failed_step: str | None = None
         self._optimizers: list[Any] = []  # DistributedOptimizers over this model
         self._backward_ran = False
+        self._post_partition_hooks: list[Any] = []
         st.model = self
         if not self._captures():
             self._place_whole()
@@ -135,11 +137,13 @@ class DistributedModel(nn.Module):
             args, kwargs = _cast_floating((args, kwargs), self._dtype)
         if not self._captures():
             return self.module(*args, **kwargs)
+        kwargs = self._call_defaults | kwargs
         if core.tp_size() > 1:
             prescaled = self._config.prescaled_batch
             args, kwargs = tp_inputs.combine(args, kwargs, mb.batch_size, prescaled, not self.partitioned)
         if not self.partitioned:
             self._partition(args, kwargs)
+            self._run_post_partition_hooks()
         mb.runtime = self._runtime()
         pending = mb.runtime.forward(mb.index, args, kwargs)
         mb.pause()
@@ -464,6 +468,18 @@ class DistributedModel(nn.Module):
         return group
 
     # --- introspection and state ----------------------------------------------
+
+    def register_post_partition_hook(self, hook) -> None:
+        """hook(model, optimizer) runs once the model is partitioned (at once if it already is);
+        optimizer is the DistributedOptimizer over this model, or None."""
+        self._post_partition_hooks.append(hook)
+        if self.partitioned:
+            self._run_post_partition_hooks()
+
+    def _run_post_partition_hooks(self) -> None:
+        hooks, self._post_partition_hooks = self._post_partition_hooks, []
+        for hook in hooks:
+            hook(self, self._optimizers[0] if self._optimizers else None)
 
     def local_parameters(self):
         return self.module.parameters()

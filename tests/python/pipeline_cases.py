@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import hf_cases
 import models
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,7 @@ CASES = {
         lambda out, b: F.mse_loss(out[0], b["y"]) + F.mse_loss(out[1]["again"], 2 * b["y"]),
     ),
 }
+CASES.update(hf_cases.CASES)
 
 
 def make_optimizer(kind: str, named_parameters):
