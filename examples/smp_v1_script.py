@@ -158,7 +158,9 @@ def main():
         smp.save({"model_state_dict": model.local_state_dict()}, args.save, partial=True)
     smp.barrier()
     if smp.rank() == 0:
-        print(f"done: {args.epochs} epochs on {smp.size()} processes (pp={smp.pp_size()}, tp={smp.tp_size()})")
+        print(
+            f"done: {args.epochs} epochs on {smp.size()} processes (pp={smp.pp_size()}, tp={smp.tp_size()})"
+        )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     layout.add_argument("--shard-optimizer-state", action="store_true", help="ZeRO-1 over the replicas")
     layout.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master weights")
     train = p.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=150)
+    train.add_argument("--steps", type=int, default=300)
     train.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank and step")
     train.add_argument("--seq-len", type=int, default=64)
     train.add_argument("--lr", type=float, default=3e-3)
@@ -73,9 +73,10 @@ def build_model(args):
         attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
-        loss_type="ForCausalLM",
     )
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, without its warning
+    return model
 
 
 def batches(data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
@@ -91,9 +92,10 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rdp = args.rdp if args.rdp is not None else world // (args.pp * args.tp)
     if args.pp * args.tp * rdp != world:
+        need = args.pp * args.tp * rdp
         raise SystemExit(
-            f"--pp {args.pp} x --tp {args.tp} x --rdp {rdp} = {args.pp * args.tp * rdp} processes, but torchrun "
-            f"started {world}; set --nproc_per_node={args.pp * args.tp * rdp} or change the degrees"
+            f"--pp {args.pp} x --tp {args.tp} x --rdp {rdp} = {need} processes, but torchrun started "
+            f"{world}; set --nproc_per_node={need} or change the degrees"
         )
     smp.init(
         {
@@ -106,7 +108,11 @@ def main() -> None:
             "bf16": args.bf16,
         }
     )
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     torch.manual_seed(args.seed)
     with smp.tensor_parallelism(args.tp > 1):
         model = build_model(args)
@@ -115,7 +121,10 @@ def main() -> None:
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+        optimizer,
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+        ),
     )
 
     start = 0
@@ -132,7 +141,9 @@ def main() -> None:
 
     data = torch.frombuffer(bytearray(Path(args.corpus).read_bytes()), dtype=torch.uint8).long()
     # SMP's advice: seed data order by dp_rank; a tensor-parallel group reads dp_size batches at once.
-    stream = batches(data, args.seq_len, args.batch_size, seed=args.seed * 1000 + smp.dp_rank() + 7919 * start)
+    stream = batches(
+        data, args.seq_len, args.batch_size, seed=args.seed * 1000 + smp.dp_rank() + 7919 * start
+    )
     tokens_per_step = args.batch_size * smp.dp_size() * args.seq_len
     log, bar = _open_log(args, start, n_params, rdp)
     for step in range(start, args.steps):
@@ -150,7 +161,14 @@ def main() -> None:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
-            log.writerow([step + 1, f"{loss:.5f}", f"{schedule.get_last_lr()[0]:.6g}", f"{tokens_per_step / seconds:.1f}"])
+            log.writerow(
+                [
+                    step + 1,
+                    f"{loss:.5f}",
+                    f"{schedule.get_last_lr()[0]:.6g}",
+                    f"{tokens_per_step / seconds:.1f}",
+                ]
+            )
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             smp.save_checkpoint(
@@ -164,7 +182,9 @@ def main() -> None:
     if bar is not None:
         bar.close()
         _plot(Path(args.out_dir))
-        print(f"done: {args.steps} steps, log {args.out_dir}/log.csv, curve {args.out_dir}/loss.png", flush=True)
+        print(
+            f"done: {args.steps} steps, log {args.out_dir}/log.csv, curve {args.out_dir}/loss.png", flush=True
+        )
 
 
 def _open_log(args, start: int, n_params: int, rdp: int):
@@ -177,7 +197,7 @@ def _open_log(args, start: int, n_params: int, rdp: int):
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"GPT-2 {n_params / 1e6:.2f}M parameters, pp={args.pp} tp={args.tp} rdp={rdp}, "
-        f"{args.microbatches} microbatches ({args.schedule}), on {'cuda' if torch.cuda.is_available() else 'cpu'}",
+        f"{args.microbatches} microbatches ({args.schedule}), on {device_name()}",
         flush=True,
     )
     handle = open(out / "log.csv", "a" if start else "w", newline="", buffering=1)  # noqa: SIM115
@@ -186,6 +206,10 @@ def _open_log(args, start: int, n_params: int, rdp: int):
         log.writerow(["step", "loss", "lr", "tokens_per_s"])
     bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     return log, bar
+
+
+def device_name() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _plot(out: Path) -> None:

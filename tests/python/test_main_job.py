@@ -45,9 +45,9 @@ def test_backend_demo_under_torchrun():
 def test_smp_v1_script_trains_under_torchrun(tmp_path):
     script = (ROOT / "examples/smp_v1_script.py").read_text()
     # Only the import line would differ from an SMP v1 script.
-    assert [line for line in script.splitlines() if line.startswith(("import", "from")) and "smp" in line] == [
-        "import smp"
-    ]
+    assert [
+        line for line in script.splitlines() if line.startswith(("import", "from")) and "smp" in line
+    ] == ["import smp"]
     out = run_torchrun("examples/smp_v1_script.py", 4, "--epochs", "1", "--save", str(tmp_path / "ckpt"))
     before = float(out.split("test loss before training ")[1].split()[0])
     after = float(out.split("Test epoch 1: loss ")[1].split()[0])
