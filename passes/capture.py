@@ -109,5 +109,6 @@ def _capture_failure_message(module: torch.nn.Module, err: Exception) -> str:
         "  - calls into C extensions or numpy on activations: keep them out of forward.\n"
         "Where the stages split is separate from capture: with auto_partition=False, "
         "`with smp.partition(i):` or smp.set_partition(module, i) marks the split points, but the "
-        "forward must still be capturable. With pipeline_parallel_degree=1 no capture is needed."
+        "forward must still be capturable. With pipeline_parallel_degree=1 and tensor_parallel_degree=1 no "
+        "capture is needed."
     )
