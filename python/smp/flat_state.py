@@ -1,15 +1,19 @@
-"""fp32 master copies of a rank's parameters, flattened per param group and cut across the
+"""A rank's parameters flattened per param group, with the optimizer state cut across the
 reduced-data-parallel group (ZeRO-1), for smp.DistributedOptimizer.
 
 Each param group's local parameters (this rank's stage, its tensor-parallel shards) are
-laid end to end in one flat vector, padded to a multiple of the group size R. Rank r of
-the group owns elements [r*c, (r+1)*c) with c = padded/R: it holds the fp32 master copy
-of that chunk, and the wrapped torch optimizer, whose param group now holds just that
-chunk, keeps its state (Adam's moments, momentum) for it alone. A step takes the chunk of
-the (already data-parallel-averaged) gradients, updates the chunk, and all-gathers the
-chunks back into the parameters. Without sharding (R = 1) the same code holds fp32
-master weights for bf16/fp16 training. Element-wise optimizers (SGD, Adam, AdamW, ...)
-update a flat chunk exactly as they update the separate parameters.
+laid end to end in one flat buffer, padded to a multiple of the group size R, and become
+views of it (the Parameter objects stay: graph modules hold them). Rank r of the group
+owns elements [r*c, (r+1)*c) with c = padded/R, and the wrapped torch optimizer, whose
+param group now holds just that chunk, keeps its state (Adam's moments, momentum) for it
+alone. In fp32 the chunk it steps is a view of the flat buffer and its gradient a view of
+the parameters' gradients, which are in turn views of one flat gradient buffer that
+GradSync averages in place: no copy of either. In bf16/fp16 the chunk is an fp32 master
+copy, and its gradient is copied from the parameters' fp32-accumulated ones. After the
+step each rank broadcasts its chunk into the others' flat buffers, in place. Without
+sharding (R = 1) the same code holds fp32 master weights for bf16/fp16 training.
+Element-wise optimizers (SGD, Adam, AdamW, ...) update a flat chunk exactly as they
+update the separate parameters.
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smp.grad_sync import attach_grad
+
 
 @dataclasses.dataclass
 class _FlatGroup:
     params: list[nn.Parameter]
-    offsets: list[int]  # start of each parameter in the flat vector
+    offsets: list[int]  # start of each parameter in the flat buffers
     numel: int  # without padding
     chunk: int  # elements per rank
     lo: int  # where this rank's chunk starts
-    master: nn.Parameter  # this rank's chunk, fp32
-    gathered: torch.Tensor | None = None  # the all-gather's buffer, kept across steps
+    values: torch.Tensor  # the parameters end to end, in their dtype (padded): each is a view of it
+    master: nn.Parameter  # this rank's chunk in fp32: a view of `values` if they are fp32, else a copy
+    grads: torch.Tensor | None  # fp32: the parameters' gradients end to end, each one's grad a view of it
 
     def overlaps(self):
         """(param, start in param, start in chunk, length) for each parameter overlapping the chunk."""
@@ -40,6 +47,22 @@ class _FlatGroup:
             start, end = max(off, lo), min(off + p.numel(), hi)
             if start < end:
                 yield p, start - off, start - lo, end - start
+
+    def views(self, flat: torch.Tensor):
+        """(param, its view of `flat`) for each parameter."""
+        for p, off in zip(self.params, self.offsets, strict=True):
+            yield p, flat[off : off + p.numel()].view_as(p)
+
+    def attach_grads(self) -> None:
+        """fp32: makes the parameters' grads and the chunk's views of `grads` (a no-op once they are)."""
+        for p, view in self.views(self.grads):
+            attach_grad(p, view)
+        self.master.grad = self.grads[self.lo : self.lo + self.chunk]  # the chunk's, whatever it held
+
+    def applied_grads(self) -> torch.Tensor:
+        """The gradients the step applies, whole: in fp32 the parameters' own (so that they read
+        unscaled and clipped, as without flat state), else the master chunk's copy."""
+        return self.grads if self.grads is not None else self.master.grad
 
 
 class FlatState:
@@ -56,6 +79,7 @@ class FlatState:
                 "only through smp.DistributedOptimizer"
             )
         self._group = group if len(ranks) > 1 else None
+        self._ranks = ranks  # global ranks: the sources of the broadcasts
         self._size = len(ranks)
         self._rank = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
         self.groups: list[_FlatGroup] = []
@@ -67,12 +91,14 @@ class FlatState:
                 total += p.numel()
             chunk = max(1, math.ceil(total / self._size))
             lo = self._rank * chunk
-            device = params[0].device if params else torch.device("cpu")
-            master = torch.zeros(chunk, dtype=torch.float32, device=device)
-            flat = _FlatGroup(params, offsets, total, chunk, lo, nn.Parameter(master))
-            with torch.no_grad():
-                for p, p_start, c_start, n in flat.overlaps():
-                    master[c_start : c_start + n] = p.detach().reshape(-1)[p_start : p_start + n].float()
+            values = _flatten(params, offsets, chunk * self._size)
+            if values.dtype == torch.float32:
+                master, grads = nn.Parameter(values[lo : lo + chunk]), torch.zeros_like(values)
+            else:
+                master, grads = nn.Parameter(values[lo : lo + chunk].float()), None
+            flat = _FlatGroup(params, offsets, total, chunk, lo, values, master, grads)
+            if grads is not None:
+                flat.attach_grads()  # takes in the gradients of the step that built the state
             param_group["params"] = [flat.master]
             self.groups.append(flat)
         optimizer.state.clear()
@@ -82,29 +108,39 @@ class FlatState:
     def load_grads(
         self, grad_of: Callable[[nn.Parameter], torch.Tensor | None], scale: float, check: bool
     ) -> bool:
-        """Sets each master chunk's grad from the parameters' gradients (divided by `scale`);
-        with `check`, returns whether this rank saw an inf or nan (a sum is enough to tell)."""
+        """Gives each chunk its gradient from the parameters' (divided by `scale`); with
+        `check`, returns whether this rank's chunk holds an inf or nan (a sum is enough to tell)."""
         overflow = False
         for flat in self.groups:
-            grad = flat.master.grad if flat.master.grad is not None else torch.empty_like(flat.master)
-            grad.zero_()  # reused across steps, like the gather buffer
-            for p, p_start, c_start, n in flat.overlaps():
-                g = grad_of(p)
-                if g is not None:
-                    grad[c_start : c_start + n] = g.reshape(-1)[p_start : p_start + n]
+            if flat.grads is not None:
+                flat.attach_grads()  # a no-op unless a grad was replaced (set to None, say)
+            else:
+                if flat.master.grad is None:
+                    flat.master.grad = torch.empty_like(flat.master)  # then kept across steps
+                grad = flat.master.grad
+                grad.zero_()
+                for p, p_start, c_start, n in flat.overlaps():
+                    g = grad_of(p)
+                    if g is not None:
+                        grad[c_start : c_start + n] = g.reshape(-1)[p_start : p_start + n]
             if scale != 1.0:
-                grad.div_(scale)
+                flat.applied_grads().div_(scale)
             if check:
-                overflow = overflow or not bool(torch.isfinite(grad.sum()))
-            flat.master.grad = grad
+                overflow = overflow or not bool(torch.isfinite(flat.master.grad.sum()))
         return overflow
 
     def zero_grad(self) -> None:
+        """Zeroes the kept flat gradients (fp32); drops the parameters' grads otherwise (the
+        master chunks' buffers are refilled by load_grads)."""
         for flat in self.groups:
-            flat.master.grad = None
+            if flat.grads is not None:
+                flat.grads.zero_()
+            else:
+                for p in flat.params:
+                    p.grad = None
 
     def squared_norm(self, counts: Callable[[nn.Parameter], bool]) -> torch.Tensor:
-        """Sum of squared master gradients over the parameters this rank counts."""
+        """Sum of squared chunk gradients over the parameters this rank counts."""
         total = torch.zeros((), dtype=torch.float64)
         for flat in self.groups:
             if flat.master.grad is None:
@@ -117,28 +153,28 @@ class FlatState:
     def scale_grads(self, factor: float) -> None:
         for flat in self.groups:
             if flat.master.grad is not None:
-                flat.master.grad.mul_(factor)
+                flat.applied_grads().mul_(factor)
 
     # --- parameters -------------------------------------------------------------------
 
     def publish(self) -> None:
-        """Copies the updated master chunks into the parameters (all-gathered across the group)."""
+        """Puts the updated chunks into the parameters: each rank's chunk is broadcast from it into
+        the others' flat buffers, in place (Gloo's all-gather would gather into a buffer of its own
+        and copy that out: twice the time, and page faults)."""
+        works = []
         with torch.no_grad():
             for flat in self.groups:
                 if not flat.params:
                     continue
-                dtype = flat.params[0].dtype
-                local = flat.master.detach().to(dtype)
+                if flat.grads is None:
+                    flat.values[flat.lo : flat.lo + flat.chunk].copy_(flat.master)
                 if self._group is None:
-                    full = local
-                else:
-                    # One buffer per group for the whole run: a fresh one costs page faults every step.
-                    if flat.gathered is None:
-                        flat.gathered = torch.empty(flat.chunk * self._size, dtype=dtype, device=local.device)
-                    full = flat.gathered
-                    dist.all_gather_into_tensor(full, local, group=self._group)
-                for p, off in zip(flat.params, flat.offsets, strict=True):
-                    p.copy_(full[off : off + p.numel()].view_as(p))
+                    continue
+                for r, src in enumerate(self._ranks):
+                    part = flat.values[r * flat.chunk : (r + 1) * flat.chunk]
+                    works.append(dist.broadcast(part, src=src, group=self._group, async_op=True))
+        for work in works:
+            work.wait()
 
     # --- state dicts --------------------------------------------------------------------
 
@@ -196,3 +232,21 @@ class FlatState:
 
 def _is_chunk(value, flat: _FlatGroup, factor: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == flat.chunk * factor
+
+
+def _flatten(params: list[nn.Parameter], offsets: list[int], size: int) -> torch.Tensor:
+    """One buffer of `size` elements holding the parameters end to end; each becomes a view of it."""
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ValueError(
+            "smp: flat optimizer state (shard_optimizer_state, bf16, fp16) needs the parameters of a param "
+            f"group in one dtype on one device, got {sorted(map(str, kinds))}"
+        )
+    dtype, device = kinds.pop() if kinds else (torch.float32, torch.device("cpu"))
+    values = torch.zeros(size, dtype=dtype, device=device)
+    with torch.no_grad():
+        for p, off in zip(params, offsets, strict=True):
+            view = values[off : off + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+    return values

@@ -12,12 +12,27 @@ Mixed precision (fp32_accumulate): each microbatch's low-precision gradient is a
 into an fp32 buffer (`param._smp_grad32`) as soon as autograd produces it, and the
 buckets average those fp32 buffers; `param.grad` then gets the result in the
 parameter's dtype, for code that reads it.
+
+Flat gradients (use_flat_grads, from smp.flat_state in fp32): parameters whose grads
+are views of one flat buffer are bucketed by ranges of that buffer, which are averaged
+in place: no bucket is allocated, and nothing is copied in or out.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    # With flat gradients: the range of the flat buffer holding the params' grads (all-reduced in
+    # place), and each param's view of it.
+    flat: torch.Tensor | None = None
+    views: list[torch.Tensor] | None = None
 
 
 class GradSync:
@@ -34,15 +49,28 @@ class GradSync:
         self._dp_group = dp_group
         self._dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self._shared = shared
-        self._buckets = _buckets(self._params[::-1], int(bucket_cap_mb * 2**20)) if self._dp_size > 1 else []
-        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._cap_bytes = int(bucket_cap_mb * 2**20)
+        self._flat_grads: list[tuple[torch.Tensor, list[torch.nn.Parameter], list[int]]] = []
+        self._rebucket()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         self._expected = 0
         self._counts: dict[int, int] = {}
         self._pending: list[int] = []
-        self._launched: list[tuple[list[torch.nn.Parameter], torch.Tensor, dist.Work]] = []
+        self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
+
+    def use_flat_grads(
+        self, grads: torch.Tensor, params: list[torch.nn.Parameter], offsets: list[int]
+    ) -> None:
+        """From the next step on, averages these parameters' gradients in place in `grads`, where
+        each one's grad is the view at its offset (or is copied there first, if it was replaced).
+        If this GradSync does not average every one of them, they stay in the copying buckets."""
+        if all(id(p) in self._bucket_of for p in params):
+            self._flat_grads.append((grads, params, offsets))
+            self._buckets_stale = True
 
     def start_step(self, expected_backwards: int) -> None:
+        if self._buckets_stale:  # between steps: no bucket is in flight
+            self._rebucket()
         self._expected = expected_backwards
         if self._fp32:
             for p in self._params:
@@ -59,8 +87,10 @@ class GradSync:
         for bucket, flat, work in self._launched:
             work.wait()
             flat.div_(self._dp_size)
+            if bucket.flat is not None:
+                continue  # averaged in place
             offset = 0
-            for p in bucket:
+            for p in bucket.params:
                 n = p.numel()
                 self._set_grad(p, flat[offset : offset + n].view_as(p))
                 offset += n
@@ -97,13 +127,18 @@ class GradSync:
         # Launch every complete bucket whose predecessors have launched.
         while len(self._launched) < len(self._buckets):
             nxt = len(self._launched)
-            if self._pending[nxt] < len(self._buckets[nxt]):
+            if self._pending[nxt] < len(self._buckets[nxt].params):
                 break
             self._launch(nxt)
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
-        flat = torch.cat([self._grad(p).reshape(-1) for p in bucket])
+        if bucket.flat is None:
+            flat = torch.cat([self._grad(p).reshape(-1) for p in bucket.params])
+        else:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                attach_grad(p, view)
+            flat = bucket.flat
         work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
         self._launched.append((bucket, flat, work))
 
@@ -112,6 +147,38 @@ class GradSync:
         if grad is None:
             return torch.zeros_like(p, dtype=torch.float32 if self._fp32 else p.dtype)
         return grad
+
+    def _rebucket(self) -> None:
+        """Buckets in launch order: the flat gradients' ranges, last parameters first (the backward
+        produces their gradients first), then the other parameters' buckets."""
+        self._buckets_stale = False
+        if self._dp_size == 1:
+            self._buckets, self._bucket_of = [], {}
+            return
+        buckets = []
+        for grads, params, offsets in reversed(self._flat_grads):
+            offset_of = {id(p): off for p, off in zip(params, offsets, strict=True)}
+            for group in _buckets(params[::-1], self._cap_bytes):
+                lo, hi = offset_of[id(group[-1])], offset_of[id(group[0])] + group[0].numel()
+                views = [grads[offset_of[id(p)] : offset_of[id(p)] + p.numel()].view_as(p) for p in group]
+                buckets.append(_Bucket(group, grads[lo:hi], views))
+        in_flat = {id(p) for b in buckets for p in b.params}
+        rest = [p for p in self._params[::-1] if id(p) not in in_flat]
+        buckets += [_Bucket(group) for group in _buckets(rest, self._cap_bytes)]
+        self._buckets = buckets
+        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
+
+
+def attach_grad(p: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """Makes `view` p's grad, holding p's current gradient (zero if none): autograd then
+    accumulates into it in place."""
+    if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+        return
+    if p.grad is None:
+        view.zero_()
+    else:
+        view.copy_(p.grad)
+    p.grad = view
 
 
 def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:

@@ -97,9 +97,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._flat is None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
             return
-        self.optimizer.zero_grad(set_to_none=False)  # the chunks' grad buffers are kept across steps
-        for p in self._model.module.parameters():
-            p.grad = None
+        self._flat.zero_grad()  # its gradient buffers are kept across steps: set_to_none does not apply
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients about to be applied by their global L2 norm over every stage,
@@ -228,6 +226,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["params"] = [p for p in group["params"] if p.requires_grad]
             ranks = core.get_rdp_group() if self._flat_sharded else [dist.get_rank()]
             self._flat = FlatState(self.optimizer, core.get_rdp_process_group(), ranks)
+            if self._model._grad_sync is not None:
+                for flat in self._flat.groups:
+                    if flat.grads is not None:
+                        self._model._grad_sync.use_flat_grads(flat.grads, flat.params, flat.offsets)
         self._localized = True
 
     def _scaler_state(self) -> dict:
