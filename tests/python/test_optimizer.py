@@ -117,6 +117,50 @@ def test_full_and_local_state_dict_load_back():
         assert "load it on that rank" in r["message"]
 
 
+def _fp32_chunk_storage(rank, world_size):
+    import smp
+
+    smp.init({"shard_optimizer_state": True})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(pipeline_cases.models.GPT(layers=1))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    def storages():
+        params = list(model.parameters())
+        (chunk,) = opt.param_groups[0]["params"]
+        return {
+            "params": {p.untyped_storage().data_ptr() for p in params},
+            "grads": {p.grad.untyped_storage().data_ptr() for p in params},
+            "chunk": chunk.untyped_storage().data_ptr(),
+            "chunk_grad": chunk.grad.untyped_storage().data_ptr(),
+        }
+
+    seen = []
+    for s in range(3):
+        opt.zero_grad()
+        train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + rank)))
+        opt.step()
+        seen.append(storages())
+    return seen
+
+
+def test_fp32_sharded_chunk_is_a_view_of_the_parameters():
+    # In fp32 the inner optimizer steps a view of the parameters' flat buffer, with a view of
+    # their flat gradient buffer as its grad: no master copy, and both buffers kept across steps.
+    for seen in run_ranks(_fp32_chunk_storage, 2, timeout=180):
+        first = seen[0]
+        assert first["params"] == {first["chunk"]}, first
+        assert first["grads"] == {first["chunk_grad"]}, first
+        assert first["chunk"] != first["chunk_grad"]
+        assert all(s == first for s in seen[1:]), seen
+
+
 def _bf16_against_fp32(rank, world_size):
     import smp
 
