@@ -12,9 +12,10 @@ rank on its own batch, the same for every contestant:
   smp     smp.init({"shard_optimizer_state": True}), smp.DistributedModel,
           smp.DistributedOptimizer(torch.optim.Adam(model.parameters())), an @smp.step function
           calling model(ids), lm_loss and model.backward(loss). Its default group is on smp's "smp"
-          backend (which wraps gloo). The gradients are all-reduced in buckets during the backward;
-          each rank then copies its chunk of them into the grad of its fp32 chunk of the flattened
-          parameters, Adam steps the chunk, and the chunks are all-gathered back into the parameters.
+          backend (which wraps gloo). The parameters are views of one flat buffer, their grads views
+          of another, all-reduced in place in buckets during the backward; Adam steps this rank's
+          chunk of the flat buffer (a view, its grad a view too), and each rank broadcasts its chunk
+          into the others' flat buffers, in place.
   peer    torch.nn.parallel.DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer
           (optimizer_class=torch.optim.Adam, default options) on a plain "gloo" group created in the
           same processes (process_group= to both): DDP all-reduces the gradients in buckets during
@@ -135,8 +136,7 @@ class SmpContestant:
 
     def instrument(self) -> None:
         """After the first step (which builds the flat state): time its parts."""
-        for sync in self.model._grad_syncs:
-            self.phases.wrap(sync, "finish_step", "grad_wait")
+        self.phases.wrap(self.model._grad_sync, "finish_step", "grad_wait")
         flat = self.opt._flat
         assert flat is not None, "smp did not build its flat state: is shard_optimizer_state on?"
         self.phases.wrap(flat, "load_grads", "copy_in")
@@ -152,12 +152,17 @@ class SmpContestant:
     def memory(self) -> dict:
         params = unique(self.model.module.parameters())
         inner = unique(p for g in self.opt.optimizer.param_groups for p in g["params"])
-        master = [p for p in inner if id(p) not in {id(q) for q in params}]
+        # The chunks the inner optimizer steps count as master copies unless they are views of the
+        # parameters' storage (fp32), and their grads likewise.
+        param_storage = {storage(p) for p in params}
+        grad_storage = {storage(p.grad) for p in params if p.grad is not None}
+        master = [p for p in inner if storage(p) not in param_storage]
+        master_grads = [p.grad for p in inner if p.grad is not None and storage(p.grad) not in grad_storage]
         return {
             "parameters": nbytes(params),
             "optimizer_state": state_bytes(self.opt.optimizer),
             "master": nbytes(master),
-            "master_grads": nbytes(p.grad for p in master if p.grad is not None),
+            "master_grads": nbytes(master_grads),
             "grads": nbytes(p.grad for p in params if p.grad is not None),
             "ddp_buckets": 0,
         }
@@ -239,6 +244,10 @@ class SingleContestant:
 
 def unique(tensors) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def nbytes(tensors) -> int:
@@ -459,8 +468,8 @@ def report(r: dict) -> None:
         )
     print(
         "(medians per phase: fwd model call + loss; bwd backward, DDP's all-reduce wait inside; wait "
-        "smp's wait for its gradient all-reduce after the backward; copy smp's load of its gradient "
-        "chunk; adam the inner optimizer's step; sync smp's all-gather / ZeRO's broadcasts; other the "
+        "smp's wait for its gradient all-reduce after the backward; copy smp's load_grads (its chunk's "
+        "gradient); adam the inner optimizer's step; sync smp's broadcasts / ZeRO's; other the "
         "rest. faults: median minor page faults per step and rank)"
     )
     print(
