@@ -68,7 +68,8 @@ def test_clipped_norm_pp2_tp2():
         assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
 
 
-def _state_dict_round_trip(rank, world_size):
+def _sharded_gpt(rank):
+    """A one-layer GPT with Adam state sharded over the 2 ranks, and a function training a step."""
     import smp
 
     smp.init({"shard_optimizer_state": True})
@@ -82,10 +83,18 @@ def _state_dict_round_trip(rank, world_size):
         model.backward(loss)
         return loss
 
-    for s in range(2):
+    def train(s):
         opt.zero_grad()
         train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + rank)))
         opt.step()
+
+    return smp, model, opt, train
+
+
+def _state_dict_round_trip(rank, world_size):
+    smp, model, opt, train = _sharded_gpt(rank)
+    for s in range(2):
+        train(s)
     # torch's state_dict holds the live state tensors: copy before changing them.
     full, local = copy.deepcopy(opt.state_dict()), copy.deepcopy(opt.local_state_dict())
     chunk = {k: v.clone() for k, v in local["state"][0].items()}
@@ -118,18 +127,7 @@ def test_full_and_local_state_dict_load_back():
 
 
 def _fp32_chunk_storage(rank, world_size):
-    import smp
-
-    smp.init({"shard_optimizer_state": True})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(pipeline_cases.models.GPT(layers=1))
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
-
-    @smp.step
-    def train_step(ids):
-        loss = pipeline_cases.models.lm_loss(model(ids), ids)
-        model.backward(loss)
-        return loss
+    _, model, opt, train = _sharded_gpt(rank)
 
     def storages():
         params = list(model.parameters())
@@ -143,9 +141,7 @@ def _fp32_chunk_storage(rank, world_size):
 
     seen = []
     for s in range(3):
-        opt.zero_grad()
-        train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + rank)))
-        opt.step()
+        train(s)
         seen.append(storages())
     return seen
 
