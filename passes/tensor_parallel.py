@@ -292,6 +292,8 @@ class _Rewrite:
             new = self._emit(torch.ops.smp.row_parallel_linear.default, (*args, self.group))
             self._set(node, new, None)
             return
+        if not _shards_pay_off(node):
+            return self._generic(node)  # its output would only be gathered again
         blocks = _fused_blocks(node)
         if (out_features // blocks) % self.size:
             raise _Demote(
@@ -748,6 +750,73 @@ def _covers(dims: list[int], total: int) -> bool:
             return True
         if acc > total:
             return False
+    return False
+
+
+# Ops a column-parallel output flows through in its sharded layout (when the shapes allow) ...
+_CARRIES = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.cat.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.dropout.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.type_as.default,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.where.self,
+    aten.softmax.int,
+    aten._softmax.default,
+    aten.sum.dim_IntList,
+    aten.mean.dim,
+    operator.getitem,
+}
+# ... and ops that consume it sharded (or the model's outputs, which callers may want cut as they are).
+_USES_SHARDS = {
+    aten.linear.default,
+    aten.addmm.default,
+    aten.matmul.default,
+    aten.bmm.default,
+    aten.scaled_dot_product_attention.default,
+    aten.cross_entropy_loss.default,
+    aten.log_softmax.int,
+    aten._log_softmax.default,
+}
+
+
+def _shards_pay_off(linear: fx.Node) -> bool:
+    """Whether some use of the linear's output consumes it sharded. If every path ends in an op
+    that needs it whole (a LayerNorm over its features, say, as in BERT's MLM head), a
+    column-parallel layer would just be gathered again: it stays replicated instead."""
+    seen, todo = set(), [linear]
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            t = user.target
+            if user.op == "output" or t in _USES_SHARDS:
+                return True
+            pointwise = isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+            if t in _CARRIES or pointwise:
+                todo.append(user)
     return False
 
 

@@ -72,3 +72,8 @@ def test_parity(layout):
             distributed = {n for by_model in per_rank for n in by_model[case]["distributed"]}
             for layer in layers:
                 assert any(n.endswith(f".0.{layer}") for n in distributed), (case, layer, sorted(distributed))
+        # BERT's MLM head: its dense layer feeds a LayerNorm over the features, so sharding it would
+        # only gather its output again; it stays replicated, the tied decoder is vocab-parallel.
+        bert = {n for by_model in per_rank for n in by_model["hf_bert"]["distributed"]}
+        assert "cls.predictions.transform.dense.weight" not in bert
+        assert "bert.embeddings.word_embeddings.weight" in bert
