@@ -23,7 +23,7 @@ GPT (same seed, same initial weights, same batches):
   single      each process trains the whole model alone (no communication) while the other does
               the same: the work of one step done serially, both cores busy.
 
-The model is this file's copy of tests/python/models.py's GPT with separate q, k and v projections
+The model is tests/python/models.py's GPT with this file's attention: separate q, k and v projections
 (the test GPT fuses them in one `qkv` Linear followed by .split(d): smp shards that correctly as
 three blocks, but a plain ColwiseParallel on a fused qkv would hand rank 0 all of q and half of k).
 Its attention reshapes with a stored head_dim, so lowering `heads` to the local count (torchtitan's
@@ -91,7 +91,7 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
 import models  # noqa: E402
-from models import lm_loss  # noqa: E402
+from models import GPT, lm_loss  # noqa: E402
 
 LR = 1e-4
 TP = 2
@@ -99,7 +99,7 @@ CONTESTANTS = ("smp", "peer", "peer_plain", "single")
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
-# --- the model: tests/python/models.py's GPT with q, k and v separate ------------------------------
+# --- the model: tests/python/models.py's GPT with q, k and v separate (this attention) ---------------
 
 
 class Attention(nn.Module):
@@ -123,44 +123,9 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """Token embedding tied to the output head, learned positions, pre-LN blocks, no dropout."""
-
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight
-        for emb in (self.tok, self.pos):
-            nn.init.normal_(emb.weight, std=0.02)
-
-    def forward(self, ids):
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        x = self.tok(ids) + self.pos(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
 def build(args) -> GPT:
     torch.manual_seed(0)
-    return GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
+    return GPT(args.vocab, args.dim, args.heads, args.layers, args.seq, attention=Attention)
 
 
 def batch(step: int, args) -> torch.Tensor:

@@ -30,10 +30,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, attention: type[nn.Module] = Attention):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
+        self.attn = attention(dim, heads)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
@@ -45,11 +45,19 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token embedding tied to the output head, learned positions, pre-LN blocks, no dropout."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 4, seq: int = 16):
+    def __init__(
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 4,
+        seq: int = 16,
+        attention: type[nn.Module] = Attention,
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, attention) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight
