@@ -56,8 +56,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
+    # The graph passes have their own top-level folder, as the C++ parts do (backend/, ops/), and are
+    # mapped into the package here: smp.passes and its subpackages come from passes/.
+    package_dir={"": "python", "smp.passes": "passes"},
+    packages=find_packages("python") + ["smp.passes"] + [f"smp.passes.{p}" for p in find_packages("passes")],
     ext_modules=[CMakeExtension("smp._C", target="smp_C")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["torch>=2.11,<2.16"],
