@@ -17,6 +17,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
+from .fx_utils import COMPUTE_OPS, tensor_leaves
+
 FLOPS = "smp_flops"
 ACTIVATION_BYTES = "smp_activation_bytes"
 SECONDS = "smp_seconds"
@@ -31,7 +33,7 @@ _CONTRACT_LAST_DIM = (torch.ops.aten.linear.default, torch.ops.aten.matmul.defau
 def annotate(gm: fx.GraphModule, seconds: Mapping[str, float] | None = None) -> None:
     """Writes FLOPS, ACTIVATION_BYTES (and SECONDS when given, by node name) into node.meta."""
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_module", "call_method"):
+        if node.op not in COMPUTE_OPS:
             continue
         node.meta[FLOPS] = node_flops(node)
         node.meta[ACTIVATION_BYTES] = _bytes(node.meta.get("val"))
@@ -85,8 +87,8 @@ def measure_seconds(gm: fx.GraphModule, flat_inputs: list, repeats: int = 3) -> 
 
 
 def _numel(value) -> int:
-    return sum(t.numel() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return sum(t.numel() for t in tensor_leaves(value))
 
 
 def _bytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(value))

@@ -22,13 +22,11 @@ import torch
 from torch import fx
 
 from . import cost as cost_lib
+from .fx_utils import COMPUTE_OPS, attr_inputs, module_stack  # COMPUTE_OPS: smp reads it from here too
 
 
 class PartitionError(ValueError):
     pass
-
-
-COMPUTE_OPS = ("call_function", "call_module", "call_method")
 
 
 @dataclasses.dataclass
@@ -99,7 +97,7 @@ def segments(gm: fx.GraphModule, depth: int) -> list[Segment]:
         else:
             key = _module_path(node, depth)
         keys[node.name] = key
-        used = frozenset(aliases[a.target] for a in _attr_inputs(node) if a.target in aliases)
+        used = frozenset(aliases[a.target] for a in attr_inputs(node) if a.target in aliases)
         compute = node.meta.get(cost_lib.SECONDS, node.meta.get(cost_lib.FLOPS, 0.0))
         act = node.meta.get(cost_lib.ACTIVATION_BYTES, 0)
         if result and result[-1].key == key:
@@ -129,7 +127,7 @@ def auto_partition(
     param_bytes = {n: p.numel() * p.element_size() for n, p in params.items()}
     candidates = []
     previous: list[str] | None = None
-    deepest = max((len(_module_stack(n)) for n in gm.graph.nodes), default=0)
+    deepest = max((len(module_stack(n)) for n in gm.graph.nodes), default=0)
     for depth in range(1, max(deepest, 1) + 1):
         units = _absorb_glue(segments(gm, depth))
         if depth == 1:
@@ -210,13 +208,8 @@ def follow_partition(
 # --- helpers --------------------------------------------------------------------
 
 
-def _module_stack(node: fx.Node) -> list[str]:
-    """The paths of the modules a node runs in, outermost first, without the root."""
-    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
-
-
 def _module_path(node: fx.Node, depth: int) -> str:
-    stack = _module_stack(node)
+    stack = module_stack(node)
     return stack[min(depth, len(stack)) - 1] if stack else ""
 
 
@@ -225,10 +218,6 @@ def _explicit_stage(node: fx.Node, module_stage: Mapping[str, int]) -> int | Non
         if path in module_stage:
             return module_stage[path]
     return None
-
-
-def _attr_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes if a.op == "get_attr"]
 
 
 def _absorb_glue(units: list[Segment]) -> list[Segment]:
@@ -365,16 +354,16 @@ def plan_from_assignment(
     stages_of: dict[str, set[int]] = {}
     for node in gm.graph.nodes:
         if node.name in node_stage:
-            for path in _module_stack(node):
+            for path in module_stack(node):
                 stages_of.setdefault(path, set()).add(node_stage[node.name])
     for node in gm.graph.nodes:
         if node.name not in node_stage:
             continue
         s = node_stage[node.name]
-        for attr in _attr_inputs(node):
+        for attr in attr_inputs(node):
             if attr.target in aliases:
                 users.setdefault(aliases[attr.target], set()).add(s)
-        stack = _module_stack(node)
+        stack = module_stack(node)
         unit = next((path for path in stack if len(stages_of[path]) == 1), stack[-1] if stack else "<root>")
         if unit not in units[s]:
             units[s].append(unit)

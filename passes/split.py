@@ -10,7 +10,6 @@ stages is the same tensor in both stage modules of one process.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -18,7 +17,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from .capture import CapturedGraph
-from .partition import COMPUTE_OPS, PartitionError, PartitionPlan
+from .fx_utils import COMPUTE_OPS, fetch_attr, tensor_leaves
+from .partition import PartitionError, PartitionPlan
 
 
 @dataclasses.dataclass
@@ -157,7 +157,7 @@ def _stage_module(gm, nodes, num_stages, s, stage_of, input_index, values) -> St
     def lookup(node: fx.Node) -> fx.Node:
         if node.name not in env:
             assert node.op == "get_attr", node.format_node()
-            attrs[node.target] = _fetch(gm, node.target)
+            attrs[node.target] = fetch_attr(gm, node.target)
             env[node.name] = graph.get_attr(node.target)
         return env[node.name]
 
@@ -208,7 +208,7 @@ def _requires_grad(nodes: list[fx.Node], input_requires_grad: list[bool]) -> dic
             placeholder_index += 1
         elif node.op == "get_attr":
             result[node.name] = bool(
-                getattr(_fetch(node.graph.owning_module, node.target), "requires_grad", False)
+                getattr(fetch_attr(node.graph.owning_module, node.target), "requires_grad", False)
             )
         elif _is_grad_mode_switch(node):
             grad_enabled = bool(node.args[0])
@@ -217,17 +217,9 @@ def _requires_grad(nodes: list[fx.Node], input_requires_grad: list[bool]) -> dic
             differentiable = (
                 grad_enabled
                 and node.target is not torch.ops.aten.detach.default
-                and any(t.is_floating_point() or t.is_complex() for t in _tensors(val))
+                and any(t.is_floating_point() or t.is_complex() for t in tensor_leaves(val))
             )
             result[node.name] = differentiable and any(
                 result.get(p.name, False) for p in node.all_input_nodes
             )
     return result
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _fetch(module: torch.nn.Module, target: str) -> Any:
-    return functools.reduce(getattr, target.split("."), module)
