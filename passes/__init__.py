@@ -11,6 +11,11 @@
 
 Running `pipe.stages` in order, feeding each the values it receives, computes the
 model's forward; smp.DistributedModel does that across processes.
+
+Modules: capture.py (torch.export), cost.py (FLOPs, bytes, measured times), partition.py
+(pipeline stages), split.py (one GraphModule per stage), fx_utils.py (helpers they share), and
+the tensor_parallel/ package (the rewrite driver, its layout algebra, and a registry of rules,
+one per op, in rules/ by op family). This folder is installed as smp.passes (setup.py maps it).
 """
 
 from . import cost
