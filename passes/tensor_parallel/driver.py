@@ -31,6 +31,8 @@ class Demote(Exception):
 
 
 class Rewrite:
+    """One attempt at the rewrite; rules read and extend its state through the methods below."""
+
     def __init__(
         self,
         gm: fx.GraphModule,
@@ -41,7 +43,8 @@ class Rewrite:
         replicated: Mapping[str, str],
         scatter_batch: int | None,
     ):
-        self.gm, self.group, self.size, self.rank = gm, group_name, size, rank
+        self.gm, self.size, self.rank = gm, size, rank
+        self.group = group_name  # the smp ops find the process group by its name
         self.marked = marked
         # A replicated module keeps every layer under it whole; a replicated parameter stays whole.
         self.demoted_modules = {k for k in replicated if not _is_tensor_attr(gm, k)}
@@ -53,7 +56,7 @@ class Rewrite:
         self.origin: dict[str, str] = {}  # sharded value -> module of the linear that sharded it
         self.specs: dict[str, ShardSpec] = {}  # get_attr target -> how it is cut
         self.replicated_uses: dict[str, str] = {}  # parameter -> a node that reads it whole
-        self._cache: dict[tuple[str, Any], fx.Node] = {}
+        self._cache: dict[tuple[str, Any], fx.Node] = {}  # (original node name, what) -> local node
         self.current: fx.Node | None = None  # the original node being rewritten
 
     def run(self) -> fx.Graph:
