@@ -80,6 +80,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._scaler.scale
 
     @property
+    def flat_state(self) -> FlatState | None:
+        """The flat parameter buffers and ZeRO-1 chunks (None until the first step, or when neither
+        shard_optimizer_state nor bf16/fp16 is on); read it, e.g. to time it."""
+        return self._flat
+
+    @property
     def sharded(self) -> bool:
         """Whether each reduced-data-parallel rank keeps only its chunk of the optimizer state."""
         return bool(self._engine.config.shard_optimizer_state) and self._engine.groups.rdp_size > 1

@@ -89,6 +89,11 @@ class Engine:
         return self.parallelized.shard_specs if self.parallelized is not None else {}
 
     @property
+    def grad_sync(self) -> GradSync | None:
+        """The gradient averaging (None before the model is placed); read it, e.g. to time it."""
+        return self._grad_sync
+
+    @property
     def partition_plan(self) -> passes.PartitionPlan | None:
         return self.parallelized.plan if self.parallelized is not None else None
 
