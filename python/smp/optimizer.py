@@ -28,7 +28,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     After the model is partitioned, each rank's optimizer steps only its own parameters:
     its stage's, and its shards of tensor-parallel ones. With `shard_optimizer_state`
     each reduced-data-parallel rank also keeps the optimizer state of only a 1/rdp chunk
-    of them (ZeRO-1, see smp.flat_state); with `bf16`/`fp16` it keeps fp32 master
+    of them (ZeRO-1, see smp.optim.flat_state); with `bf16`/`fp16` it keeps fp32 master
     weights. fp16 training scales the loss: `static_loss_scale`, or `dynamic_loss_scale`
     with SMP's `dynamic_loss_args` (init_scale 2**32, scale_factor 2, scale_window 1000,
     min_scale 1, delayed_shift 1, consecutive_hysteresis False); a step in which any rank

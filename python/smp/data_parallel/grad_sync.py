@@ -13,7 +13,7 @@ into an fp32 buffer (smp.params.grad32) as soon as autograd produces it, and the
 buckets average those fp32 buffers; `param.grad` then gets the result in the
 parameter's dtype, for code that reads it.
 
-Flat gradients (use_flat_grads, from smp.flat_state in fp32): parameters whose grads
+Flat gradients (use_flat_grads, from smp.optim.flat_state in fp32): parameters whose grads
 are views of one flat buffer are bucketed by ranges of that buffer, which are averaged
 in place: no bucket is allocated, and nothing is copied in or out.
 """
