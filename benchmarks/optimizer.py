@@ -136,8 +136,8 @@ class SmpContestant:
 
     def instrument(self) -> None:
         """After the first step (which builds the flat state): time its parts."""
-        self.phases.wrap(self.model._grad_sync, "finish_step", "grad_wait")
-        flat = self.opt._flat
+        self.phases.wrap(self.model.engine.grad_sync, "finish_step", "grad_wait")
+        flat = self.opt.flat_state
         assert flat is not None, "smp did not build its flat state: is shard_optimizer_state on?"
         self.phases.wrap(flat, "load_grads", "copy_in")
         self.phases.wrap(self.opt.optimizer, "step", "adam")

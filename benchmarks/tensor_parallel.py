@@ -243,7 +243,7 @@ def timed(run, ids, group):
 
 def smp_launched() -> dict[str, int]:
     """Collectives launched so far on each of smp's groups (by the first kind naming the group)."""
-    st = smp.core.state()
+    st = smp.parallel_state.state()
     groups = {}
     for kind, group in [*st.process_groups.items(), ("messaging", st.messaging_group)]:
         groups.setdefault(group, getattr(kind, "name", kind).lower())

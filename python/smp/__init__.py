@@ -21,7 +21,11 @@ from smp.comm import (
     tp_barrier,
 )
 from smp.config import Config
-from smp.core import (
+from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
+from smp.engine.delayed_init import delay_param_initialization
+from smp.model import DistributedModel
+from smp.optimizer import DistributedOptimizer
+from smp.parallel_state import (
     dp_rank,
     dp_size,
     get_dp_group,
@@ -51,14 +55,10 @@ from smp.core import (
     tp_rank,
     tp_size,
 )
-from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
-from smp.delayed_init import delay_param_initialization
-from smp.model import DistributedModel
-from smp.optimizer import DistributedOptimizer
-from smp.partitioning import partition, set_partition
+from smp.pipeline.partitioning import partition, set_partition
 from smp.step import StepOutput, step
+from smp.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
 from smp.topology import CommGroup, RankType, Topology
-from smp.tp_marks import set_tensor_parallelism, tensor_parallelism
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from smp import comm, core
+from smp import comm, parallel_state
 
 _NEWEST = "newest"
 
@@ -32,7 +32,7 @@ def load(f: str, map_location=None, partial: bool = True) -> Any:
     """Reads what smp.save wrote; with partial=True, this model-parallel rank's file."""
     path = _partial_name(f) if partial else f
     if not os.path.exists(path):
-        partial_file = core.is_initialized() and not partial and os.path.exists(_partial_name(f))
+        partial_file = parallel_state.is_initialized() and not partial and os.path.exists(_partial_name(f))
         hint = " (it was saved with partial=True: load it with partial=True)" if partial_file else ""
         raise FileNotFoundError(f"smp.load: {path} does not exist{hint}")
     return torch.load(path, map_location=map_location, weights_only=False)
@@ -51,25 +51,25 @@ def save_checkpoint(
     """Writes model, optimizer and user content under `path/tag[_partial]` and records the tag as
     newest. A collective: call it on every rank."""
     del translate_if_full  # smp's full checkpoints already use the original module's keys
-    model = model if model is not None else core.state().model
+    model = model if model is not None else parallel_state.state().model
     folder = os.path.join(path, _folder(tag, partial))
-    if core.rank() == 0:
+    if parallel_state.rank() == 0:
         os.makedirs(folder, exist_ok=True)
     comm.barrier()
     if model is not None:
         if partial:
-            if core.rdp_rank() == 0:
+            if parallel_state.rdp_rank() == 0:
                 torch.save(model.local_state_dict(), os.path.join(folder, f"model_{_mp_suffix()}.pt"))
         else:
             full = model.state_dict()  # a collective over the model-parallel ranks
-            if core.rank() == 0:
+            if parallel_state.rank() == 0:
                 torch.save(full, os.path.join(folder, "model.pt"))
     if optimizer is not None:
         _save_optimizer(optimizer, folder)
-    if core.rank() == 0:
+    if parallel_state.rank() == 0:
         torch.save(user_content, os.path.join(folder, "user_content.pt"))
     comm.barrier()
-    if core.rank() == 0:
+    if parallel_state.rank() == 0:
         with open(os.path.join(path, _NEWEST), "w") as out:
             out.write(tag)
         if partial and num_kept_partial_checkpoints:
@@ -89,7 +89,7 @@ def resume_from_checkpoint(
     """Loads a checkpoint written by save_checkpoint (the newest when tag is None) into the
     DistributedModel and its DistributedOptimizer; returns the user content."""
     del translate_function  # checkpoints hold the original module's keys: nothing to translate
-    model = core.state().model
+    model = parallel_state.state().model
     if model is None:
         raise RuntimeError(
             "smp.resume_from_checkpoint: create smp.DistributedModel and smp.DistributedOptimizer first"
@@ -112,7 +112,7 @@ def resume_from_checkpoint(
         )
     model_state = torch.load(model_file, map_location="cpu", weights_only=False)
     optimizer_state = None
-    if load_optimizer and model._optimizers:
+    if load_optimizer and model.engine.optimizer is not None:
         optimizer_state = _load_optimizer(folder, load_sharded_optimizer_state)
     user_content = torch.load(os.path.join(folder, "user_content.pt"), weights_only=False)
 
@@ -132,20 +132,20 @@ def resume_from_checkpoint(
 
 
 def _save_optimizer(optimizer, folder: str) -> None:
-    sharded = optimizer._model._config.shard_optimizer_state and core.rdp_size() > 1
+    sharded = optimizer.sharded
     if sharded:  # every rank owns a chunk
         torch.save(
             optimizer.local_state_dict(),
-            os.path.join(folder, f"optimizer_{_mp_suffix()}_{core.rdp_rank()}.pt"),
+            os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt"),
         )
         return
     state = optimizer.state_dict()
-    if core.rdp_rank() == 0:
+    if parallel_state.rdp_rank() == 0:
         torch.save(state, os.path.join(folder, f"optimizer_{_mp_suffix()}.pt"))
 
 
 def _load_optimizer(folder: str, sharded_ok: bool):
-    chunk = os.path.join(folder, f"optimizer_{_mp_suffix()}_{core.rdp_rank()}.pt")
+    chunk = os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt")
     whole = os.path.join(folder, f"optimizer_{_mp_suffix()}.pt")
     if os.path.exists(chunk) and sharded_ok:
         return torch.load(chunk, map_location="cpu", weights_only=False)
@@ -163,11 +163,11 @@ def _folder(tag: str, partial: bool) -> str:
 
 
 def _mp_suffix() -> str:
-    return f"{core.pp_rank()}_{core.tp_rank()}"
+    return f"{parallel_state.pp_rank()}_{parallel_state.tp_rank()}"
 
 
 def _partial_name(f: str) -> str:
-    return f"{f}_{core.mp_rank()}"
+    return f"{f}_{parallel_state.mp_rank()}"
 
 
 def _prune(path: str, newest: str, keep: int) -> None:

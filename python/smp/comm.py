@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp import core
+from smp import parallel_state
 from smp.topology import CommGroup, RankType
 
 
@@ -36,13 +36,13 @@ def _global_rank(peer: int, rank_type: Any, role: str) -> int:
         raise ValueError(
             f"expected an smp.RankType (WORLD_RANK, MP_RANK or DP_RANK) for the {role}, got {rank_type!r}"
         )
-    ranks = core.state().topology.group_ranks(rank_type.value, core.rank())
+    ranks = parallel_state.state().topology.group_ranks(rank_type.value, parallel_state.rank())
     if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < len(ranks):
         raise ValueError(
             f"{role} {peer!r} is not a valid {rank_type.name}: this rank's {rank_type.value.name} "
             f"has ranks 0..{len(ranks) - 1}"
         )
-    if ranks[peer] == core.rank():
+    if ranks[peer] == parallel_state.rank():
         raise ValueError(
             f"{role} {peer} ({rank_type.name}) is this rank itself; an object cannot go to itself"
         )
@@ -50,14 +50,14 @@ def _global_rank(peer: int, rank_type: Any, role: str) -> int:
 
 
 def _send_bytes(payload: bytes, dst: int) -> None:
-    group = core.state().messaging_group
+    group = parallel_state.state().messaging_group
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
     dist.send(data, dst=dst, group=group)
 
 
 def _recv_bytes(src: int) -> bytes:
-    group = core.state().messaging_group
+    group = parallel_state.state().messaging_group
     length = torch.empty(1, dtype=torch.int64)
     dist.recv(length, src=src, group=group)
     data = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -75,20 +75,20 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
 
 def broadcast(obj: Any, group: CommGroup) -> None:
     payload = pickle.dumps(obj)
-    for dst in core.state().topology.group_ranks(_check_group(group), core.rank()):
-        if dst != core.rank():
+    for dst in parallel_state.state().topology.group_ranks(_check_group(group), parallel_state.rank()):
+        if dst != parallel_state.rank():
             _send_bytes(payload, dst)
 
 
 def allgather(obj: Any, group: CommGroup) -> list[Any]:
-    pg = core.process_group(group)
+    pg = parallel_state.process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(out, obj, group=pg)
     return out
 
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
-    dist.barrier(group=core.process_group(group))
+    dist.barrier(group=parallel_state.process_group(group))
 
 
 def dp_barrier() -> None:

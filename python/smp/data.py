@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from smp import core
+from smp import parallel_state
 
 
 def data_parallel_coords() -> tuple[int, int]:
     """(index, count) of this rank's data shard: (dp_rank, dp_size), or (rdp_rank, rdp_size) if prescaled."""
-    if core.state().config.prescaled_batch:
-        return core.rdp_rank(), core.rdp_size()
-    return core.dp_rank(), core.dp_size()
+    if parallel_state.state().config.prescaled_batch:
+        return parallel_state.rdp_rank(), parallel_state.rdp_size()
+    return parallel_state.dp_rank(), parallel_state.dp_size()
 
 
 def sampler(dataset: Dataset, shuffle: bool = True, seed: int = 0) -> DistributedSampler:
@@ -43,7 +43,7 @@ def data_loader(
 
     Call `loader.sampler.set_epoch(epoch)` each epoch for a new shuffle.
     """
-    microbatches = core.num_microbatches()
+    microbatches = parallel_state.num_microbatches()
     if batch_size % microbatches:
         raise ValueError(
             f"batch size {batch_size} does not divide by microbatches={microbatches}; use a batch size "
@@ -64,7 +64,7 @@ def data_seed(seed: int) -> int:
 
 def tensor_parallel_seed() -> int:
     """The seed for initializing this rank's tensor-parallel shard: tensor_parallel_seed + tp_rank."""
-    return core.state().config.tensor_parallel_seed + core.tp_rank()
+    return parallel_state.state().config.tensor_parallel_seed + parallel_state.tp_rank()
 
 
 def set_seed(seed: int) -> None:

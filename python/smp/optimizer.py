@@ -6,13 +6,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from smp import core, grad_norm
 from smp import model as model_lib
-from smp.flat_state import FlatState
-from smp.loss_scale import LossScaler, any_rank
+from smp import params as param_facts
+from smp.optim import grad_norm
+from smp.optim.flat_state import FlatState
+from smp.optim.loss_scale import LossScaler, any_rank
 
 _BUILT_BEFORE_WRAP = (
     "smp: this optimizer was built from the module's parameters before smp.DistributedModel wrapped it, "
@@ -28,7 +28,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     After the model is partitioned, each rank's optimizer steps only its own parameters:
     its stage's, and its shards of tensor-parallel ones. With `shard_optimizer_state`
     each reduced-data-parallel rank also keeps the optimizer state of only a 1/rdp chunk
-    of them (ZeRO-1, see smp.flat_state); with `bf16`/`fp16` it keeps fp32 master
+    of them (ZeRO-1, see smp.optim.flat_state); with `bf16`/`fp16` it keeps fp32 master
     weights. fp16 training scales the loss: `static_loss_scale`, or `dynamic_loss_scale`
     with SMP's `dynamic_loss_args` (init_scale 2**32, scale_factor 2, scale_window 1000,
     min_scale 1, delayed_shift 1, consecutive_hysteresis False); a step in which any rank
@@ -58,27 +58,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         owned = {id(p) for p in model.module.parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if getattr(p, "_smp_replaced", False):
+                if param_facts.is_replaced(p):
                     raise ValueError(_BUILT_BEFORE_WRAP)
-                moved = getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_moved_to")
-                if id(p) not in owned and not moved:
+                if id(p) not in owned and not param_facts.left_this_rank(p):
                     raise ValueError(
                         "smp.DistributedOptimizer: the optimizer holds a parameter of shape "
                         f"{tuple(p.shape)} "
                         "that is not part of the DistributedModel; build it from model.parameters()"
                     )
-        optimizer._smp_distributed = True
+        _wrapped.add(optimizer)
         self.optimizer = optimizer
-        self._model = model
+        self._engine = model.engine
         self._localized = False
         self._flat: FlatState | None = None
         self._scaler = LossScaler(static_loss_scale, dynamic_loss_scale, **dynamic_loss_args)
         self._overflow = False
-        model._optimizers.append(self)
+        self._engine.attach_optimizer(self)
 
     @property
     def loss_scale(self) -> float:
         return self._scaler.scale
+
+    @property
+    def flat_state(self) -> FlatState | None:
+        """The flat parameter buffers and ZeRO-1 chunks (None until the first step, or when neither
+        shard_optimizer_state nor bf16/fp16 is on); read it, e.g. to time it."""
+        return self._flat
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each reduced-data-parallel rank keeps only its chunk of the optimizer state."""
+        return bool(self._engine.config.shard_optimizer_state) and self._engine.groups.rdp_size > 1
 
     def step(self, closure=None):
         self._localize()
@@ -105,13 +115,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         returns that norm. A collective: call it on every rank."""
         grad_norm.check_norm_type(norm_type, "clip_master_grads")
         self._localize()
-        counts = self._model._counts_in_norm
+        counts = self._engine.counts_in_norm
+        first_replica = self._engine.groups.rdp_rank == 0
         if self._flat is not None:
             flat = self._flat
-            return grad_norm.clip(
-                flat.squared_norm(lambda p: counts(p) and self._flat_counts_rdp()), max_norm, flat.scale_grads
-            )
-        return grad_norm.clip_whole(self._params(), counts, max_norm)
+            # Sharded: each rank's chunk is its own; unsharded master copies: count on one replica.
+            mine = self.sharded or first_replica
+            return grad_norm.clip(flat.squared_norm(lambda p: counts(p) and mine), max_norm, flat.scale_grads)
+        return grad_norm.clip_whole(self._params(), counts, max_norm, first_replica)
 
     def state_dict(self):
         """The optimizer state of this rank's parameters, per parameter and whole (with
@@ -126,7 +137,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._localize()
         state = self.optimizer.state_dict()
         if self._flat is not None:
-            state = state | {"smp_shard": {"rank": core.rdp_rank(), "size": core.rdp_size()}}
+            state = state | {"smp_shard": self._shard_id()}
         return state | self._scaler_state()
 
     def load_state_dict(self, state_dict) -> None:
@@ -137,10 +148,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._scaler.load_state_dict(state.pop("smp_loss_scaler"))
         shard = state.pop("smp_shard", None)
         if shard is not None:
-            if shard != {"rank": core.rdp_rank(), "size": core.rdp_size()}:
+            mine = self._shard_id()
+            if shard != mine:
                 raise ValueError(
                     f"smp: this local optimizer state is the chunk of rdp rank {shard['rank']} of "
-                    f"{shard['size']}, but this is rdp rank {core.rdp_rank()} of {core.rdp_size()}; load "
+                    f"{shard['size']}, but this is rdp rank {mine['rank']} of {mine['size']}; load "
                     "it on that rank, or save and load the full state_dict()"
                 )
         elif self._flat is not None:
@@ -182,16 +194,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
 
-    # --- called by the model --------------------------------------------------------------
+    # --- called by the engine (smp.engine.protocol.GradientConsumer) ----------------------
 
-    def _gradients_ready(self) -> None:
+    def gradients_ready(self) -> None:
         """After a step's backward and gradient averaging: unscale, check for overflow on every
         rank, and give the master chunks their gradients."""
         self._localize()
         scale = self._scaler.scale
-        checks = self._scaler.dynamic or scale != 1.0 or self._model._config.fp16
+        checks = self._scaler.dynamic or scale != 1.0 or self._engine.config.fp16
         if self._flat is not None:
-            overflow = self._flat.load_grads(_grad_of, scale, checks)
+            overflow = self._flat.load_grads(param_facts.applied_grad, scale, checks)
         else:
             overflow = False
             for p in self._params():
@@ -206,30 +218,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _flat_counts_rdp(self) -> bool:
-        # Sharded: each rank's chunk is its own; unsharded master copies: count on one replica.
-        return self._flat_sharded or core.rdp_rank() == 0
+    def _shard_id(self) -> dict[str, int]:
+        groups = self._engine.groups
+        return {"rank": groups.rdp_rank, "size": groups.rdp_size}
 
     def _localize(self) -> None:
         """Once, after partitioning: holds this rank's tensor-parallel shards in place of the full
         parameters, drops the parameters partitioning moved to other stages, and sets up the
         flat master state when the config shards optimizer state or trains in bf16/fp16."""
-        if self._localized or not self._model.partitioned:
+        if self._localized or not self._engine.partitioned:
             return
         for group in self.optimizer.param_groups:
-            local = (_current(p) for p in group["params"])
-            group["params"] = list(dict.fromkeys(p for p in local if not getattr(p, "_smp_nonlocal", False)))
-        cfg = self._model._config
-        self._flat_sharded = bool(cfg.shard_optimizer_state) and core.rdp_size() > 1
+            local = (param_facts.current(p) for p in group["params"])
+            group["params"] = list(dict.fromkeys(p for p in local if not param_facts.is_nonlocal(p)))
+        cfg, groups = self._engine.config, self._engine.groups
         if cfg.shard_optimizer_state or cfg.bf16 or cfg.fp16:
             for group in self.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p.requires_grad]
-            ranks = core.get_rdp_group() if self._flat_sharded else [dist.get_rank()]
-            self._flat = FlatState(self.optimizer, core.get_rdp_process_group(), ranks)
-            if self._model._grad_sync is not None:
-                for flat in self._flat.groups:
-                    if flat.grads is not None:
-                        self._model._grad_sync.use_flat_grads(flat.grads, flat.params, flat.offsets)
+            ranks = list(groups.rdp_ranks) if self.sharded else [groups.rank]
+            self._flat = FlatState(self.optimizer, groups.rdp, ranks)
+            for flat in self._flat.groups:
+                if flat.grads is not None:
+                    self._engine.use_flat_grads(flat.grads, flat.params, flat.offsets)
         self._localized = True
 
     def _scaler_state(self) -> dict:
@@ -238,20 +248,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {"smp_loss_scaler": self._scaler.state_dict()}
 
 
-def _current(p: torch.nn.Parameter) -> torch.nn.Parameter:
-    """The parameter the model now trains in place of `p` (its shard, or its materialized copy)."""
-    while hasattr(p, "_smp_moved_to"):
-        p = p._smp_moved_to
-    return p
-
-
-def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
-    """A parameter's averaged gradient, in fp32 when it was accumulated in fp32."""
-    main = getattr(p, "_smp_grad32", None)
-    return main if main is not None else p.grad
-
-
-_checked: weakref.WeakSet = weakref.WeakSet()
+_checked: weakref.WeakSet = weakref.WeakSet()  # optimizers found right once partitioned
+_wrapped: weakref.WeakSet = weakref.WeakSet()  # optimizers a DistributedOptimizer wraps
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -259,10 +257,10 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer in _checked:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(getattr(p, "_smp_replaced", False) for p in params):
+    if any(param_facts.is_replaced(p) for p in params):
         raise RuntimeError(_BUILT_BEFORE_WRAP)
-    moved = any(getattr(p, "_smp_nonlocal", False) or hasattr(p, "_smp_moved_to") for p in params)
-    if moved and not getattr(optimizer, "_smp_distributed", False):
+    moved = any(param_facts.left_this_rank(p) for p in params)
+    if moved and optimizer not in _wrapped:
         raise RuntimeError(
             "smp: this optimizer holds parameters that pipeline partitioning moved to other ranks or that "
             "tensor parallelism sharded; wrap it: optimizer = smp.DistributedOptimizer(optimizer)"

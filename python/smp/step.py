@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from smp import core, schedule
-from smp import model as model_lib
-from smp.microbatch import Microbatch
+from smp import parallel_state
+from smp.pipeline import schedule
+from smp.pipeline.microbatch import Microbatch
 
 
 class StepOutput:
@@ -71,34 +71,35 @@ def step(
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        st = core.state()
+        st = parallel_state.state()
         m = st.config.microbatches
         bound = signature.bind(*args, **kwargs)
         pieces, batch_size = _split_arguments(bound, m, whole, axes)
         microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
+        pp_rank, pp_size = parallel_state.pp_rank(), parallel_state.pp_size()
         actions = schedule.stage_actions(
-            st.config.pipeline,
-            core.pp_rank(),
-            core.pp_size(),
-            m,
-            st.config.num_active_microbatches,
+            st.config.pipeline, pp_rank, pp_size, m, st.config.num_active_microbatches
         )
-        model_lib.start_step()
+        engine = st.model.engine if st.model is not None else None
+        if engine is not None:
+            engine.start_step()
         try:
             for action in actions:
                 mb = microbatches[action.microbatch]
                 mb.resume()
-                if action.kind == "F" and core.pp_size() > 1 and mb.forward_calls == 0:
+                if action.kind == "F" and pp_size > 1 and mb.forward_calls == 0:
                     raise RuntimeError(
                         f"smp.step: {fn.__name__} returned without calling the DistributedModel on "
                         f"microbatch {mb.index}; with pipeline parallelism every rank must call "
                         "model(...) once per step"
                     )
-            model_lib.finish_step()
+            if engine is not None:
+                engine.finish_step()
         except BaseException as error:
             for mb in microbatches:
                 mb.abort()
-            model_lib.abandon_step(error)
+            if engine is not None:
+                engine.abandon_step(error)
             raise
         results = [mb.result for mb in microbatches]
         return _per_microbatch(results, detach_outputs)

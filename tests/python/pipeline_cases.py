@@ -144,7 +144,7 @@ def train_smp(rank, world_size, case, configs, steps, global_batch, options=None
     for config in [configs] if isinstance(configs, dict) else configs:
         smp.init(config)
         results.append(_train_once(smp, case, steps, global_batch, options or {}, ref))
-        smp.core.reset()
+        smp.parallel_state.reset()
     return results[0] if isinstance(configs, dict) else results
 
 
@@ -174,7 +174,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
 
     losses = []
     # A prescaled batch is read by a whole tensor-parallel group: shard by rdp rank.
-    prescaled = smp.core.state().config.prescaled_batch
+    prescaled = smp.parallel_state.state().config.prescaled_batch
     shards, shard = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(), smp.dp_rank())
     per = global_batch // shards
     for s in range(steps):
@@ -210,7 +210,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
             if isinstance(v, torch.Tensor) and v.dim() > 0
         )
     return {
-        "config": smp.core.state().config,
+        "config": smp.parallel_state.state().config,
         "grad_err": grad_err,
         "norm0": norm0,
         "ref_norm0": ref["norm0"],

@@ -46,13 +46,13 @@ def _resume(rank, world_size, configs, folder):
         dmodel, _, train = _build(smp)
         train(range(4))
         expected = dmodel.state_dict()
-        smp.core.reset()
+        smp.parallel_state.reset()
 
         smp.init(config)
         dmodel, opt, train = _build(smp)
         train(range(2))
         smp.save_checkpoint(f"{folder}/{i}", "step2", model=dmodel, optimizer=opt, user_content={"step": 2})
-        smp.core.reset()
+        smp.parallel_state.reset()
 
         smp.init(config)
         dmodel, opt, train = _build(smp)
@@ -60,7 +60,7 @@ def _resume(rank, world_size, configs, folder):
         train(range(user["step"], 4))
         got = dmodel.state_dict()
         results.append(max((got[k] - expected[k]).abs().max().item() for k in expected))
-        smp.core.reset()
+        smp.parallel_state.reset()
     return results
 
 
@@ -82,7 +82,7 @@ def _change_layout(rank, world_size, folder):
     train(range(2))
     saved = dmodel.state_dict()
     smp.save_checkpoint(folder, "full", partial=False, model=dmodel, optimizer=opt, user_content=None)
-    smp.core.reset()
+    smp.parallel_state.reset()
 
     smp.init({})
     dmodel, _, train = _build(smp)
@@ -90,7 +90,7 @@ def _change_layout(rank, world_size, folder):
     local = dmodel.state_dict()
     err = max((local[k] - saved[k]).abs().max().item() for k in saved)
     train(range(2, 3))  # and it trains on
-    smp.core.reset()
+    smp.parallel_state.reset()
     return err
 
 
@@ -120,5 +120,5 @@ def _missing(rank, world_size, folder):
     except FileNotFoundError as err:
         return str(err)
     finally:
-        smp.core.reset()
+        smp.parallel_state.reset()
     return "no error"

@@ -164,7 +164,7 @@ def _bf16_against_fp32(rank, world_size):
     ref = pipeline_cases.reference("counting", steps, 16)
     smp.init({"bf16": True, "shard_optimizer_state": True})
     result = pipeline_cases._train_once(smp, "counting", steps, 16, {}, ref)
-    dtypes = {p.dtype for p in smp.core.state().model.parameters()}
+    dtypes = {p.dtype for p in smp.parallel_state.state().model.parameters()}
     return ref["losses"], result["loss_err"], dtypes, result["losses"]
 
 

@@ -26,7 +26,7 @@ def _check_parity(results):
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,dp", LAYOUTS)
 def test_gpt_parity(pp, dp):
-    # One launch per layout runs every schedule and microbatch count (smp.core.reset between).
+    # One launch per layout runs every schedule and microbatch count (smp.parallel_state.reset between).
     configs = [
         {"pipeline_parallel_degree": pp, "microbatches": m, "pipeline": schedule}
         for schedule in ("interleaved", "simple")
@@ -73,7 +73,7 @@ def test_replicas_seeded_differently_start_equal_and_measured_costs():
 
 def test_partition_context_and_set_partition():
     import smp
-    from smp.partitioning import module_partitions
+    from smp.pipeline.partitioning import module_partitions
 
     with smp.partition(1):
         outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -240,9 +240,9 @@ def _errors(rank, world_size):
     catch("backward_outside", lambda: model.backward(torch.zeros(())))
     catch("stale_wrap", lambda: smp.DistributedOptimizer(stale))
     catch("second_model", lambda: smp.DistributedModel(torch.nn.Linear(1, 1)))
-    smp.core.state().model = None
+    smp.parallel_state.state().model = None
     catch("passes_per_step", lambda: smp.DistributedModel(torch.nn.Linear(1, 1), backward_passes_per_step=2))
-    smp.core.state().model = model
+    smp.parallel_state.state().model = model
 
     @smp.step
     def train(x):

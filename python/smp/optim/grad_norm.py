@@ -1,8 +1,8 @@
 """Global gradient-norm clipping across stages, tensor-parallel shards and optimizer chunks.
 
 Each rank adds up the squares of the gradient elements it is the one to count (see
-DistributedModel._counts_in_norm and the optimizer's chunks); one all-reduce over the
-world gives the global norm.
+Engine.counts_in_norm and the optimizer's chunks); one all-reduce over the world gives
+the global norm.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from smp import core
-
 
 def check_norm_type(norm_type: float, name: str) -> None:
     if norm_type != 2.0:
@@ -21,11 +19,12 @@ def check_norm_type(norm_type: float, name: str) -> None:
 
 
 def unsharded_squares(
-    params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Tensor], bool]
+    params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Tensor], bool], first_replica: bool
 ) -> torch.Tensor:
-    """Squares of whole gradients, which every reduced-data-parallel replica holds: rdp rank 0 counts them."""
+    """Squares of whole gradients, which every reduced-data-parallel replica holds: the first
+    replica (rdp rank 0) counts them."""
     total = torch.zeros((), dtype=torch.float64)
-    if core.rdp_rank() == 0:
+    if first_replica:
         for p in params:
             if p.grad is not None and counts(p):
                 total += p.grad.detach().double().pow(2).sum().cpu()
@@ -43,7 +42,12 @@ def clip(local_squares: torch.Tensor, max_norm: float, scale: Callable[[float], 
     return norm
 
 
-def clip_whole(params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Tensor], bool], max_norm: float):
+def clip_whole(
+    params: Iterable[torch.nn.Parameter],
+    counts: Callable[[torch.Tensor], bool],
+    max_norm: float,
+    first_replica: bool,
+):
     """clip() over the whole gradients of `params` (no optimizer chunks)."""
     params = [p for p in params if p.grad is not None]
 
@@ -51,4 +55,4 @@ def clip_whole(params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Ten
         for p in params:
             p.grad.mul_(coef)
 
-    return clip(unsharded_squares(params, counts), max_norm, scale)
+    return clip(unsharded_squares(params, counts, first_replica), max_norm, scale)

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp import activation_meter
 from smp.passes import PipelineGraph, Value
+from smp.pipeline import activation_meter
 
 _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
 

@@ -9,11 +9,11 @@ Shared parameters: a parameter replicated on several stages has its gradients
 summed over those stages, so every replica applies the same update.
 
 Mixed precision (fp32_accumulate): each microbatch's low-precision gradient is added
-into an fp32 buffer (`param._smp_grad32`) as soon as autograd produces it, and the
+into an fp32 buffer (smp.params.grad32) as soon as autograd produces it, and the
 buckets average those fp32 buffers; `param.grad` then gets the result in the
 parameter's dtype, for code that reads it.
 
-Flat gradients (use_flat_grads, from smp.flat_state in fp32): parameters whose grads
+Flat gradients (use_flat_grads, from smp.optim.flat_state in fp32): parameters whose grads
 are views of one flat buffer are bucketed by ranges of that buffer, which are averaged
 in place: no bucket is allocated, and nothing is copied in or out.
 """
@@ -24,6 +24,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+
+from smp import params as param_facts
 
 
 @dataclasses.dataclass
@@ -74,7 +76,7 @@ class GradSync:
         self._expected = expected_backwards
         if self._fp32:
             for p in self._params:
-                p._smp_grad32 = None
+                param_facts.set_grad32(p, None)
         self._counts = {}
         self._pending = [0] * len(self._buckets)
         self._launched = []
@@ -97,8 +99,9 @@ class GradSync:
         self._launched = []
         if self._fp32:
             for p in self._params:
-                if p._smp_grad32 is not None and not self._bucket_of:
-                    p.grad = p._smp_grad32.to(p.dtype)
+                main = param_facts.grad32(p)
+                if main is not None and not self._bucket_of:
+                    p.grad = main.to(p.dtype)
         for _, p, group in self._shared:
             grad = self._grad(p)
             dist.all_reduce(grad, group=group)
@@ -106,7 +109,7 @@ class GradSync:
 
     def _set_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if self._fp32:
-            p._smp_grad32 = grad.clone()
+            param_facts.set_grad32(p, grad.clone())
             p.grad = grad.to(p.dtype)
         elif p.grad is None:
             p.grad = grad.clone()
@@ -115,8 +118,8 @@ class GradSync:
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if self._fp32:
-            main = getattr(p, "_smp_grad32", None)
-            p._smp_grad32 = p.grad.float() if main is None else main.add_(p.grad)
+            main = param_facts.grad32(p)
+            param_facts.set_grad32(p, p.grad.float() if main is None else main.add_(p.grad))
             p.grad = None
         key = id(p)
         self._counts[key] = self._counts.get(key, 0) + 1
@@ -143,7 +146,7 @@ class GradSync:
         self._launched.append((bucket, flat, work))
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        grad = getattr(p, "_smp_grad32", None) if self._fp32 else p.grad
+        grad = param_facts.grad32(p) if self._fp32 else p.grad
         if grad is None:
             return torch.zeros_like(p, dtype=torch.float32 if self._fp32 else p.dtype)
         return grad

@@ -16,11 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from smp import core
+from smp.parallel_state import ParallelGroups
 
 
-def combine(args: tuple, kwargs: dict, batch_size: int | None, prescaled: bool, check: bool):
-    group = core.get_tp_process_group()
+def combine(
+    args: tuple, kwargs: dict, batch_size: int | None, prescaled: bool, check: bool, groups: ParallelGroups
+):
+    """The inputs the tensor-parallel group runs; with `check`, verifies what must be equal is."""
+    group = groups.tp
     leaves, spec = pytree.tree_flatten((args, kwargs))
     out: list[Any] = []
     for i, leaf in enumerate(leaves):
@@ -34,12 +37,13 @@ def combine(args: tuple, kwargs: dict, batch_size: int | None, prescaled: bool, 
         if batched:
             leaf = torch.ops.smp.tp_gather(leaf.contiguous(), 0, group.group_name)
         elif check and isinstance(leaf, torch.Tensor):
-            _check_equal(leaf, i, group, prescaled)
+            _check_equal(leaf, i, groups, prescaled)
         out.append(leaf)
     return pytree.tree_unflatten(out, spec)
 
 
-def _check_equal(tensor: torch.Tensor, index: int, group: dist.ProcessGroup, prescaled: bool) -> None:
+def _check_equal(tensor: torch.Tensor, index: int, groups: ParallelGroups, prescaled: bool) -> None:
+    group = groups.tp
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.detach().contiguous(), group=group)
     if all(torch.equal(parts[0], p) for p in parts[1:]):
@@ -57,5 +61,5 @@ def _check_equal(tensor: torch.Tensor, index: int, group: dist.ProcessGroup, pre
         )
     raise ValueError(
         f"smp: model input {index} (shape {tuple(tensor.shape)}) differs between the ranks of the "
-        f"tensor-parallel group {core.get_tp_group()}; {fix}"
+        f"tensor-parallel group {list(groups.tp_ranks)}; {fix}"
     )

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp.grad_sync import attach_grad
+from smp.data_parallel.grad_sync import attach_grad
 
 
 @dataclasses.dataclass

@@ -1,4 +1,8 @@
-"""smp.init, the process state it builds, and the rank and group helpers of SMP v1."""
+"""The process's parallel state: smp.init, the groups it builds, and SMP v1's rank and group helpers.
+
+`parallel_groups()` hands the groups to the engine as one explicit value; the rank
+helpers (`smp.pp_rank()`, ...) are the public API over the same state.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import dataclasses
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +18,9 @@ import torch.distributed as dist
 from smp import config as config_lib
 from smp._backend import BACKEND_NAME
 from smp.topology import CommGroup, Topology
+
+if TYPE_CHECKING:
+    from smp.model import DistributedModel
 
 
 @dataclasses.dataclass
@@ -27,8 +34,40 @@ class _State:
     # A world group of its own for object messaging, so it never interleaves with
     # the user's point-to-point traffic on the default group.
     messaging_group: dist.ProcessGroup
-    # The script's smp.DistributedModel (SMP v1 allows one per process).
-    model: Any = None
+    # The script's smp.DistributedModel (SMP v1 allows one per process): how @smp.step and
+    # smp.DistributedOptimizer, whose SMP signatures name no model, find it.
+    model: DistributedModel | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the layout and the process groups the engine works over."""
+
+    rank: int
+    topology: Topology
+    pp_rank: int
+    tp_rank: int
+    rdp_rank: int
+    pp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    rdp: dist.ProcessGroup
+    pp_ranks: tuple[int, ...]
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    rdp_ranks: tuple[int, ...]
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.pp_ranks)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def rdp_size(self) -> int:
+        return len(self.rdp_ranks)
 
 
 _state: _State | None = None
@@ -105,6 +144,26 @@ def state() -> _State:
     if _state is None:
         raise RuntimeError("smp is not initialized: call smp.init(config) first")
     return _state
+
+
+def parallel_groups() -> ParallelGroups:
+    s = state()
+    ranks = {kind: tuple(s.topology.group_ranks(kind, s.rank)) for kind in CommGroup}
+    return ParallelGroups(
+        rank=s.rank,
+        topology=s.topology,
+        pp_rank=s.topology.group_rank(CommGroup.PP_GROUP, s.rank),
+        tp_rank=s.topology.group_rank(CommGroup.TP_GROUP, s.rank),
+        rdp_rank=s.topology.group_rank(CommGroup.RDP_GROUP, s.rank),
+        pp=s.process_groups[CommGroup.PP_GROUP],
+        tp=s.process_groups[CommGroup.TP_GROUP],
+        dp=s.process_groups[CommGroup.DP_GROUP],
+        rdp=s.process_groups[CommGroup.RDP_GROUP],
+        pp_ranks=ranks[CommGroup.PP_GROUP],
+        tp_ranks=ranks[CommGroup.TP_GROUP],
+        dp_ranks=ranks[CommGroup.DP_GROUP],
+        rdp_ranks=ranks[CommGroup.RDP_GROUP],
+    )
 
 
 def reset() -> None:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from smp import params as param_facts
+
 
 @contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True):
@@ -66,7 +68,7 @@ def materialize(
 ) -> dict[int, torch.Tensor]:
     """Allocates and initializes the meta tensors `root` still holds (this rank's part), in new
     tensor objects put in the modules; returns id(meta tensor) -> its replacement, for the other
-    holders (stage graphs; an optimizer follows `_smp_moved_to`).
+    holders (stage graphs; an optimizer follows smp.params.current).
 
     full_shapes: id(shard) -> the shape of the whole parameter, for tensor-parallel shards.
     """
@@ -117,7 +119,7 @@ def _allocated(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, nn.Parameter):
         real = nn.Parameter(real, requires_grad=tensor.requires_grad)
         real.__dict__.update(tensor.__dict__)  # smp's marks
-        tensor._smp_moved_to = real
+        param_facts.mark_moved(tensor, real)
     return real
 
 

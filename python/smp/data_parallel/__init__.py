@@ -1,0 +1,1 @@
+"""Data parallelism: replicas that start equal, and gradients averaged in buckets."""

@@ -1,0 +1,284 @@
+"""The engine behind one smp.DistributedModel: the step lifecycle, each microbatch's forward
+and backward on this rank's part, and gradient synchronization.
+
+With pipeline_parallel_degree == tensor_parallel_degree == 1 the module runs whole on
+every rank and ranks average gradients. Otherwise the first forward inside @smp.step
+parallelizes the module (smp.engine.parallelize) with that microbatch as the example
+inputs; later forwards run this rank's stage and exchange activations.
+
+Optimizers attach through `attach_optimizer` (smp.engine.protocol.GradientConsumer) and
+ask the engine what they need through its public methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp import hf, passes
+from smp import params as param_facts
+from smp.config import Config
+from smp.data_parallel import replicas
+from smp.data_parallel.grad_sync import GradSync
+from smp.engine import model_state
+from smp.engine.parallelize import Parallelized, parallelize, place_whole, training_flags
+from smp.engine.protocol import GradientConsumer
+from smp.parallel_state import ParallelGroups
+from smp.pipeline.activation_meter import SavedActivationMeter
+from smp.pipeline.microbatch import Microbatch
+from smp.pipeline.stage import StageRuntime
+from smp.tensor_parallel import inputs as tp_inputs
+
+
+class Engine:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        groups: ParallelGroups,
+        *,
+        trace_execution_times: bool,
+        average_grads_across_microbatches: bool,
+        bucket_cap_mb: float,
+        broadcast_buffers: bool,
+    ):
+        self.module = module
+        self.config = config
+        self.groups = groups
+        self.dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+        if self.dtype is not None:
+            module.to(self.dtype)  # half-precision parameters and activations; fp32 masters in the optimizer
+        _refresh_parameters(module)
+        self._trace_execution_times = trace_execution_times
+        self._average_microbatches = average_grads_across_microbatches
+        self._bucket_cap_mb = bucket_cap_mb
+        self._broadcast_buffers = broadcast_buffers
+        # The full state_dict's keys, in order (tied tensors appear under each name).
+        self.state_keys = list(module.state_dict(keep_vars=True).keys())
+        self._call_defaults = hf.call_defaults(module)
+        self.parallelized: Parallelized | None = None
+        self._grad_sync: GradSync | None = None
+        self._shared_groups: dict[int, dist.ProcessGroup] = {}
+        self._consumers: list[GradientConsumer] = []
+        self._post_partition_hooks: list[Callable] = []
+        self._meter: SavedActivationMeter | None = None
+        self._track_activations = False
+        self._failed_step: str | None = None
+        self._backward_ran = False
+        if not self.captures:
+            self._install(place_whole(module, config, groups))
+
+    # --- what the model is -----------------------------------------------------------
+
+    @property
+    def captures(self) -> bool:
+        """Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers)."""
+        return self.groups.pp_size > 1 or self.groups.tp_size > 1
+
+    @property
+    def partitioned(self) -> bool:
+        return self.parallelized is not None
+
+    @property
+    def shard_specs(self) -> Mapping[int, passes.ShardSpec]:
+        """id(local shard) -> how it was cut (empty before partitioning or without TP)."""
+        return self.parallelized.shard_specs if self.parallelized is not None else {}
+
+    @property
+    def grad_sync(self) -> GradSync | None:
+        """The gradient averaging (None before the model is placed); read it, e.g. to time it."""
+        return self._grad_sync
+
+    @property
+    def partition_plan(self) -> passes.PartitionPlan | None:
+        return self.parallelized.plan if self.parallelized is not None else None
+
+    # --- the step lifecycle (called by smp.step) ---------------------------------------
+
+    def start_step(self) -> None:
+        if self._failed_step is not None:
+            raise RuntimeError(
+                f"smp: an earlier step failed part-way through the pipeline ({self._failed_step[:200]}); "
+                "its activations may still be in flight between stages, so this pipeline cannot run "
+                "another step: restart the job (from a checkpoint)"
+            )
+        if self._grad_sync is not None:
+            self._grad_sync.start_step(self.config.microbatches)
+        self._backward_ran = False
+        if self._broadcast_buffers and self.partitioned:
+            # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
+            replicas.broadcast_over(list(self.module.buffers()), self.groups.dp, self.groups.dp_ranks)
+
+    def finish_step(self) -> None:
+        for runtime in self.parallelized.runtimes.values() if self.parallelized else ():
+            runtime.finish_step()
+        if self._grad_sync is not None:
+            self._grad_sync.finish_step()
+        if self._backward_ran:
+            for consumer in self._consumers:
+                consumer.gradients_ready()
+
+    def abandon_step(self, error: BaseException) -> None:
+        """A step failed part-way: with pipeline stages, its messages may still be in flight."""
+        if self.groups.pp_size > 1:
+            self._failed_step = f"{type(error).__name__}: {error}"
+
+    # --- one microbatch ----------------------------------------------------------------
+
+    def forward(self, mb: Microbatch, args: tuple, kwargs: dict) -> Any:
+        if self.dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        if not self.captures:
+            return self.module(*args, **kwargs)
+        kwargs = self._call_defaults | kwargs
+        if self.groups.tp_size > 1:
+            args, kwargs = tp_inputs.combine(
+                args, kwargs, mb.batch_size, self.config.prescaled_batch, not self.partitioned, self.groups
+            )
+        if not self.partitioned:
+            self._partition(args, kwargs, mb.batch_size)
+        mb.runtime = self._runtime()
+        pending = mb.runtime.forward(mb.index, args, kwargs)
+        mb.pause()
+        return pending.wait()
+
+    def backward(self, mb: Microbatch, tensors: list[torch.Tensor], grad_tensors: list) -> None:
+        scale = 1.0 / self.config.microbatches if self._average_microbatches else 1.0
+        if self._consumers:
+            scale *= self._consumers[0].loss_scale  # fp16 loss scaling; the optimizer divides it out
+        self._backward_ran = True
+        grads = []
+        for t, g in zip(tensors, grad_tensors, strict=True):
+            if g is None:
+                if t.numel() != 1:
+                    raise ValueError(
+                        f"smp: model.backward got a tensor of shape {tuple(t.shape)} without grad_tensors; "
+                        "reduce it to a scalar loss or pass grad_tensors"
+                    )
+                g = torch.ones_like(t)
+            grads.append(g * scale if scale != 1.0 else g)
+        if self.captures:
+            mb.runtime.backward(mb.index, tensors, grads)
+            return
+        roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+        if roots:
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+
+    # --- parallelization -----------------------------------------------------------------
+
+    def _partition(self, args: tuple, kwargs: dict, batch_size: int | None) -> None:
+        self._install(
+            parallelize(
+                self.module, args, kwargs, self.config, self.groups, batch_size, self._trace_execution_times
+            )
+        )
+        self._grad_sync.start_step(self.config.microbatches)  # this step is under way
+        self._meter = SavedActivationMeter(self.module.parameters())
+        self.track_saved_activations(self._track_activations)
+        if self.config.debug and self.groups.rank == 0:
+            print(self.parallelized.plan.report(), flush=True)
+        self._run_post_partition_hooks()
+
+    def _install(self, parallelized: Parallelized) -> None:
+        self.parallelized = parallelized
+        self._grad_sync = GradSync(
+            list(self.module.parameters()),
+            parallelized.grad_group,
+            list(parallelized.shared),
+            self._bucket_cap_mb,
+            self.dtype is not None,
+        )
+        self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
+
+    def _runtime(self) -> StageRuntime:
+        flags = training_flags(self.module)
+        if flags not in self.parallelized.runtimes:
+            raise RuntimeError(
+                "smp: the pipeline was captured with every module in train mode or every module in eval "
+                "mode (as set when the first step ran, and its opposite); this mix of train/eval modules "
+                "is neither. Set the modes before the first step, or use model.train() / model.eval()"
+            )
+        return self.parallelized.runtimes[flags]
+
+    # --- for optimizers and checkpoints -------------------------------------------------
+
+    def attach_optimizer(self, consumer: GradientConsumer) -> None:
+        self._consumers.append(consumer)
+
+    @property
+    def optimizer(self) -> GradientConsumer | None:
+        """The first optimizer attached (SMP v1 has one per model), or None."""
+        return self._consumers[0] if self._consumers else None
+
+    def use_flat_grads(self, grads: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
+        """An optimizer's flat gradient buffer, which the gradient averaging then works in."""
+        if self._grad_sync is not None:
+            self._grad_sync.use_flat_grads(grads, params, offsets)
+
+    def counts_in_norm(self, param: torch.Tensor) -> bool:
+        """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
+        always; replicated parameters on tp rank 0; a parameter shared by stages on its first one."""
+        if id(param) not in self.shard_specs and self.groups.tp_rank != 0:
+            return False
+        group = self._shared_groups.get(id(param))
+        return group is None or dist.get_global_rank(group, 0) == dist.get_rank()
+
+    def register_post_partition_hook(self, hook: Callable) -> None:
+        """hook(model, optimizer) runs once partitioned (at once if it already is)."""
+        self._post_partition_hooks.append(hook)
+        if self.partitioned:
+            self._run_post_partition_hooks()
+
+    def _run_post_partition_hooks(self) -> None:
+        hooks, self._post_partition_hooks = self._post_partition_hooks, []
+        for hook in hooks:
+            hook(self.optimizer)
+
+    # --- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return model_state.full_state_dict(self.module, self.state_keys, self.shard_specs, self.groups)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+        model_state.load_full_state_dict(
+            self.module, state_dict, self.state_keys, self.shard_specs, self.groups, strict
+        )
+
+    def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return model_state.local_part(param, full, self.shard_specs, self.groups)
+
+    # --- saved activations ---------------------------------------------------------------
+
+    def track_saved_activations(self, enabled: bool) -> None:
+        self._track_activations = enabled
+        for runtime in self.parallelized.runtimes.values() if self.parallelized else ():
+            runtime.meter = self._meter if enabled else None
+
+    def saved_activation_bytes(self) -> dict[str, int]:
+        meter = self._meter
+        return {"live": meter.live_bytes if meter else 0, "peak": meter.peak_bytes if meter else 0}
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return torch.utils._pytree.tree_map(cast, tree)
+
+
+def _refresh_parameters(module: nn.Module) -> None:
+    """Gives the module new Parameter objects (same storage): an optimizer built from the module
+    before it was wrapped still holds the old ones, which is how that mistake is caught."""
+    fresh: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in fresh:
+                fresh[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
+                param_facts.mark_replaced(p)
+            m._parameters[name] = fresh[id(p)]

@@ -1,0 +1,86 @@
+"""The full model's state_dict from this rank's part, and a full state_dict into it.
+
+With pipeline stages each rank holds its stage's tensors, and with tensor parallelism its
+shards of the distributed ones; the full state gathers the shards over the tensor-parallel
+group and the stages over the pipeline group, under the module's own keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp import passes
+from smp.parallel_state import ParallelGroups
+
+
+def local_part(
+    param: torch.Tensor, full: torch.Tensor, specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
+) -> torch.Tensor:
+    """This rank's part of `full`, the whole value of `param`."""
+    spec = specs.get(id(param))
+    return full if spec is None else spec.local(full, groups.tp_rank, groups.tp_size)
+
+
+def full_state_dict(
+    module: nn.Module, keys: list[str], specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
+) -> dict[str, torch.Tensor]:
+    """The whole model's state under `keys` (a collective over the pipeline and tensor-parallel groups)."""
+    local = _unsharded_local_state(module, specs, groups)
+    if groups.pp_size == 1:
+        return {k: local[k] for k in keys}
+    parts: list[Any] = [None] * groups.pp_size
+    dist.all_gather_object(parts, local, group=groups.pp)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, v in part.items():
+            merged.setdefault(k, v)
+    missing = [k for k in keys if k not in merged]
+    if missing:
+        raise RuntimeError(f"smp: state_dict is missing {missing[:5]} after gathering the stages")
+    return {k: merged[k] for k in keys}
+
+
+def load_full_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    keys: list[str],
+    specs: Mapping[int, passes.ShardSpec],
+    groups: ParallelGroups,
+    strict: bool,
+) -> None:
+    """Each rank takes the entries of its stage, cut to its tensor-parallel shard."""
+    unknown = [k for k in state_dict if k not in keys]
+    missing = [k for k in keys if k not in state_dict]
+    if strict and (unknown or missing):
+        raise RuntimeError(
+            f"smp: load_state_dict: unexpected keys {unknown[:5]}, missing keys {missing[:5]} "
+            "(pass strict=False to load a subset)"
+        )
+    with torch.no_grad():
+        for key, t in module.named_parameters(remove_duplicate=False):
+            if key in state_dict:
+                t.copy_(local_part(t, state_dict[key], specs, groups))
+        for key, t in module.named_buffers(remove_duplicate=False):
+            if key in state_dict:
+                t.copy_(state_dict[key])
+
+
+def _unsharded_local_state(
+    module: nn.Module, specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
+) -> dict[str, torch.Tensor]:
+    """This stage's state on CPU, each tensor-parallel shard gathered into the full tensor."""
+    state = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        spec = specs.get(id(t))  # keep_vars: the Parameter objects themselves
+        t = t.detach()
+        if spec is not None:
+            parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, t.contiguous(), group=groups.tp)
+            t = spec.full(parts)
+        state[key] = t.cpu()
+    return state

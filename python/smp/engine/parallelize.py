@@ -1,0 +1,182 @@
+"""parallelize(): an unmodified module and example inputs in, this rank's parallelized part out.
+
+One function per parallelism, each with explicit inputs, in this order:
+capture (train and eval graphs) -> pipeline plan -> tensor-parallel rewrite -> pipeline
+split and keep-local -> materialize (delayed initialization) -> data-parallel replica sync.
+The result is a frozen value the engine runs; nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp import passes
+from smp.config import Config
+from smp.data_parallel import replicas
+from smp.engine import delayed_init
+from smp.parallel_state import ParallelGroups
+from smp.pipeline import placement
+from smp.pipeline.partitioning import module_partitions
+from smp.pipeline.stage import StageRuntime
+from smp.tensor_parallel.marks import marked_modules
+from smp.tensor_parallel.shard import shard_modes
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelized:
+    """This rank's part of the model, ready to run."""
+
+    # The stage runtime per train/eval flags of the modules (empty when the module runs whole).
+    runtimes: Mapping[tuple[bool, ...], StageRuntime]
+    # id(local shard) -> how it was cut from the full parameter.
+    shard_specs: Mapping[int, passes.ShardSpec]
+    # Parameters several stages hold, with the group joining their copies.
+    shared: tuple[replicas.SharedParameter, ...]
+    # The group whose ranks average this rank's gradients (None: no other replica).
+    grad_group: dist.ProcessGroup | None
+    # The pipeline partition of the current mode (None when the module runs whole).
+    plan: passes.PartitionPlan | None = None
+
+
+def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
+    """Data parallelism alone: the module runs whole on this rank's device."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if delayed_init.is_delayed(module):
+        _materialize(module, {}, device or torch.device("cpu"), config.tensor_parallel_seed, groups)
+    if device is not None:
+        module.to(device)
+    tensors = list(module.parameters()) + list(module.buffers())
+    grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
+    return Parallelized(runtimes={}, shard_specs={}, shared=(), grad_group=grad_group)
+
+
+def parallelize(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    config: Config,
+    groups: ParallelGroups,
+    batch_size: int | None,
+    trace_execution_times: bool = False,
+) -> Parallelized:
+    """Captures, partitions, shards and splits `module` for this rank, freeing what its stage does
+    not use. `args`/`kwargs` are one microbatch's inputs (of the whole tensor-parallel group);
+    `batch_size` is the rows of one rank's microbatch.
+
+    The graph is captured in the current train/eval mode and in the opposite one, while every
+    parameter still exists: switching modes later picks the other graph.
+    """
+    device = _input_device(args, kwargs)
+    delayed = delayed_init.is_delayed(module)
+    if delayed:  # capture on meta tensors; only this rank's part is ever allocated
+        if trace_execution_times:
+            raise ValueError(
+                "smp: trace_execution_times needs real parameters; it cannot be combined with "
+                "smp.delay_param_initialization()"
+            )
+        args, kwargs = delayed_init.to_meta((args, kwargs))
+    else:
+        module.to(device)
+    retarget = device if delayed else None
+    captured = _capture(module, args, kwargs, retarget)
+    plan = placement.plan_stages(
+        captured,
+        captured.flatten_inputs(args, kwargs),
+        config,
+        groups.pp_size,
+        module_partitions(module),
+        trace_execution_times,
+    )
+    modes = {training_flags(module): (captured, plan)}
+    with _opposite_mode(module) as flags:
+        other = _capture(module, args, kwargs, retarget)
+        modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
+    specs: dict[int, passes.ShardSpec] = {}
+    if groups.tp_size > 1:
+        combined = None if config.prescaled_batch else batch_size * groups.tp_size
+        modes, specs = shard_modes(
+            modes, module, groups.tp, marked_modules(module), combined, config.colocate_shared_parameters
+        )
+    plan = modes[training_flags(module)][1]
+    pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
+    plans = [p for _, p in modes.values()]
+    placement.keep_local(module, captured.graph_module, list(pipes.values()), plans, groups.pp_rank)
+    if delayed:
+        specs, replaced = _materialize(module, specs, device, config.tensor_parallel_seed, groups)
+        holders = [c.graph_module for c, _ in modes.values()]
+        holders += [s.module for pipe in pipes.values() for s in pipe.stages if s.module is not None]
+        for graph_module in holders:
+            delayed_init.replace_in(graph_module, replaced)
+    shared = replicas.shared_groups(captured.graph_module, plans, groups)
+    grad_group = replicas.synchronize(module, set(specs), shared, groups)
+    runtimes = {
+        flags: StageRuntime(
+            pipe, groups.pp_rank, groups.pp, list(groups.pp_ranks), config.microbatches, device
+        )
+        for flags, pipe in pipes.items()
+    }
+    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan)
+
+
+def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
+    captured = passes.capture(module, args, kwargs)
+    if retarget is not None:
+        delayed_init.retarget(captured.graph_module, retarget)
+    return captured
+
+
+def _materialize(
+    module: nn.Module,
+    specs: dict[int, passes.ShardSpec],
+    device: torch.device,
+    seed: int,
+    groups: ParallelGroups,
+) -> tuple[dict[int, passes.ShardSpec], dict[int, torch.Tensor]]:
+    """Delayed initialization: allocates and initializes this rank's part; replicated tensors
+    then come from the tensor-parallel group's first rank, so the group agrees on them.
+    Returns the shard specs keyed by the new tensors, and id(meta tensor) -> its replacement."""
+    full_shapes = {}
+    for p in module.parameters():
+        spec = specs.get(id(p))
+        if spec is not None:
+            shape = list(p.shape)
+            shape[spec.dim] *= groups.tp_size
+            full_shapes[id(p)] = torch.Size(shape)
+    replaced = delayed_init.materialize(module, full_shapes, device, seed, groups.tp_rank)
+    specs = {id(replaced[k]) if k in replaced else k: v for k, v in specs.items()}
+    if groups.tp_size > 1:
+        replicated = [p for p in module.parameters() if id(p) not in specs]
+        replicas.broadcast_over(replicated + list(module.buffers()), groups.tp, groups.tp_ranks)
+    return specs, replaced
+
+
+def training_flags(module: nn.Module) -> tuple[bool, ...]:
+    """The train/eval mode of every module: which captured graph runs."""
+    return tuple(m.training for m in module.modules())
+
+
+@contextlib.contextmanager
+def _opposite_mode(module: nn.Module):
+    """Every module in the opposite of the root's train/eval mode; yields those flags, then restores."""
+    before = [(m, m.training) for m in module.modules()]
+    module.train(not module.training)
+    try:
+        yield training_flags(module)
+    finally:
+        for m, training in before:
+            m.training = training
+
+
+def _input_device(args: tuple, kwargs: dict) -> torch.device:
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,16 @@
+"""What the engine asks of the optimizers attached to it (smp.DistributedOptimizer is one)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class GradientConsumer(Protocol):
+    @property
+    def loss_scale(self) -> float:
+        """The factor model.backward multiplies the loss gradient by (fp16 loss scaling); 1.0 if none."""
+        ...
+
+    def gradients_ready(self) -> None:
+        """Called once per training step, after the backward and the gradient averaging."""
+        ...

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, microbatch threads, the stage runtime, placement."""

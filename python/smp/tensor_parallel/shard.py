@@ -1,0 +1,77 @@
+"""Tensor parallelism's part of parallelization: the tensor-parallel pass over each captured
+mode, and the shards put in the module in place of the full parameters."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from smp import params as param_facts
+from smp import passes
+
+# Captured graphs keyed by the modules' train/eval flags, each with its partition plan.
+Modes = dict[tuple[bool, ...], tuple[passes.CapturedGraph, passes.PartitionPlan]]
+
+
+def shard_modes(
+    modes: Modes,
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    marked: set[str],
+    combined_batch: int | None,
+    colocate_shared: bool,
+) -> tuple[Modes, dict[int, passes.ShardSpec]]:
+    """Runs the tensor-parallel pass on each captured mode (they share shards and decisions) and
+    puts the shards in `module`; returns the modes with plans covering the rewritten graphs, and
+    id(local shard) -> how it was cut.
+
+    combined_batch: without prescaled_batch, the rows the group runs together (the pass cuts
+    each output back to this rank's rows); None when the group reads one batch.
+    """
+    result = None
+    sharded: Modes = {}
+    for flags, (captured, plan) in modes.items():
+        result = passes.tensor_parallel(
+            captured.graph_module,
+            group,
+            marked,
+            scatter_batch=combined_batch,
+            shards=result.shards if result else None,
+            replicated=result.replicated if result else None,
+        )
+        gm = captured.graph_module
+        stages = stages_after_rewrite(gm, plan.node_stage)
+        sharded[flags] = (captured, passes.plan_from_assignment(gm, stages, plan.num_stages, colocate_shared))
+    for key, reason in result.replicated.items():
+        warnings.warn(f"smp tensor parallelism: {key} stays replicated: {reason}", stacklevel=4)
+    return sharded, install_shards(module, result)
+
+
+def install_shards(module: nn.Module, result: passes.TensorParallelResult) -> dict[int, passes.ShardSpec]:
+    """Puts each sharded parameter's local shard in the module in place of the full one, whose
+    storage is freed (an optimizer built on the full one follows it to the shard)."""
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is not None and id(p) in result.shards:
+                owner._parameters[name] = result.shards[id(p)]
+                if not param_facts.is_moved(p):
+                    param_facts.mark_moved(p, result.shards[id(p)])
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    named = module.named_parameters(remove_duplicate=False)
+    return {id(p): result.specs[path] for path, p in named if path in result.specs}
+
+
+def stages_after_rewrite(gm: fx.GraphModule, before: dict[str, int]) -> dict[str, int]:
+    """Stages for a rewritten graph: each node runs where the original node it serves ran
+    (`smp_tp_origin`); nodes serving the output run on the latest stage of their inputs."""
+    stages: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in passes.partition.COMPUTE_OPS:
+            continue
+        origin = node.meta.get("smp_tp_origin", node.name)
+        inputs = [stages[n.name] for n in node.all_input_nodes if n.name in stages]
+        stages[node.name] = before[origin] if origin in before else max(inputs, default=0)
+    return stages
