@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <chrono>
 #include <stdexcept>
 #include <utility>
 
@@ -26,12 +28,18 @@ auto NamedWork::named(F&& f) -> decltype(f()) {
 }
 
 bool NamedWork::isCompleted() {
-  return waited_.load() || named([&] { return inner_->isCompleted(); });
+  return finished_.load(std::memory_order_acquire) ||
+         named([&] { return inner_->isCompleted(); });
 }
 
 bool NamedWork::isSuccess() const { return inner_->isSuccess(); }
 
-std::exception_ptr NamedWork::exception() const { return inner_->exception(); }
+std::exception_ptr NamedWork::exception() const {
+  if (finished_.load(std::memory_order_acquire) && error_) {
+    return error_;
+  }
+  return inner_->exception();
+}
 
 int NamedWork::sourceRank() const { return inner_->sourceRank(); }
 
@@ -42,18 +50,34 @@ void NamedWork::synchronize() {
 }
 
 bool NamedWork::wait(std::chrono::milliseconds timeout) {
-  return named([&] {
-    const bool done = inner_->wait(timeout);
-    // Future-backed work (torch's FutureWrappingWork) does not throw from
-    // wait() when its future failed; a failure must never pass silently.
-    if (auto error = inner_->exception()) {
-      std::rethrow_exception(error);
+  std::lock_guard<std::mutex> lock(waitMu_);
+  if (finished_.load(std::memory_order_acquire)) {
+    if (error_) {
+      std::rethrow_exception(error_);  // named already
     }
+    return true;
+  }
+  try {
+    const bool done = named([&] {
+      const bool ok = inner_->wait(timeout);
+      // Future-backed work (torch's FutureWrappingWork) does not throw from
+      // wait() when its future failed; a failure must never pass silently.
+      if (auto error = inner_->exception()) {
+        std::rethrow_exception(error);
+      }
+      return ok;
+    });
     if (done) {
-      waited_.store(true);
+      finished_.store(true, std::memory_order_release);
     }
     return done;
-  });
+  } catch (...) {
+    // A failed or timed-out wait is final too: waiting again would wait on
+    // a broken (Gloo: drained) inner work for another full timeout.
+    error_ = std::current_exception();
+    finished_.store(true, std::memory_order_release);
+    throw;
+  }
 }
 
 void NamedWork::abort() { inner_->abort(); }
@@ -96,9 +120,18 @@ void GroupWork::synchronize() {
 }
 
 bool GroupWork::wait(std::chrono::milliseconds timeout) {
+  // One deadline for the whole batch, not one timeout per member.
+  const bool bounded = timeout != ::kNoTimeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool all = true;
   for (auto& work : works_) {
-    all = work->wait(timeout) && all;
+    auto left = timeout;
+    if (bounded) {
+      left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now()),
+                      std::chrono::milliseconds(1));
+    }
+    all = work->wait(left) && all;
   }
   return all;
 }
