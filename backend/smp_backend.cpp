@@ -366,7 +366,7 @@ WorkPtr SmpBackend::unevenAlltoallOnGloo(std::vector<at::Tensor>& outputs,
               return c10::IValue(outputs);
             },
             c10::ListType::ofTensors());
-        return Work::create_from_future(copied);
+        return c10::make_intrusive<FutureWork>(copied, "all_to_all");
       });
 }
 

@@ -1,5 +1,6 @@
 #include "work.h"
 
+#include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -140,6 +141,52 @@ void GroupWork::abort() {
   for (auto& work : works_) {
     work->abort();
   }
+}
+
+FutureWork::FutureWork(c10::intrusive_ptr<c10::ivalue::Future> future,
+                       const char* op)
+    : future_(std::move(future)), op_(op), done_(std::make_shared<Done>()) {
+  future_->addCallback([done = done_](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(done->mu);
+    done->done = true;
+    done->cv.notify_all();
+  });
+}
+
+bool FutureWork::isCompleted() { return future_->completed(); }
+
+bool FutureWork::isSuccess() const {
+  return future_->completed() && !future_->hasError();
+}
+
+std::exception_ptr FutureWork::exception() const {
+  return future_->completed() && future_->hasError() ? future_->exception_ptr()
+                                                     : nullptr;
+}
+
+std::vector<at::Tensor> FutureWork::result() {
+  return future_->value().toTensorVector();
+}
+
+bool FutureWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout == ::kNoTimeout) {
+    future_->wait();
+  } else {
+    std::unique_lock<std::mutex> lock(done_->mu);
+    if (!done_->cv.wait_for(lock, timeout, [&] { return done_->done; })) {
+      C10_THROW_ERROR(DistBackendError, std::string("Timed out waiting ") +
+                                            std::to_string(timeout.count()) +
+                                            "ms for " + op_ + " to complete");
+    }
+  }
+  if (future_->hasError()) {
+    std::rethrow_exception(future_->exception_ptr());
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> FutureWork::getFuture() {
+  return future_;
 }
 
 }  // namespace smp

@@ -3,6 +3,7 @@
 // Work handles the smp backend returns to callers.
 
 #include <atomic>
+#include <condition_variable>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -70,6 +71,34 @@ class GroupWork : public c10d::Work {
 
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
+// Work completed by a future (the uneven CPU all_to_all, finished by its
+// copy-back). torch's Work::create_from_future cannot wait with a finite
+// timeout, which the throttle and wait(timeout) need. Like Gloo's work, it
+// throws when the timeout passes.
+class FutureWork : public c10d::Work {
+ public:
+  FutureWork(c10::intrusive_ptr<c10::ivalue::Future> future, const char* op);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override {}
+  bool wait(std::chrono::milliseconds timeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  // Set by the future's callback, which may outlive this work.
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  const char* op_;
+  std::shared_ptr<Done> done_;
 };
 
 }  // namespace smp
