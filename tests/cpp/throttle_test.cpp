@@ -294,6 +294,23 @@ TEST(Throttle, ManyLaunchersWithAsyncCompletionNeverDeadlockOrExceedLimit) {
 
 // --- point-to-point operations and batches ----------------------------------
 
+// Finishes `oldest` (failing it with `error`, if given), which `blocked` (a
+// launch on another thread) is blocked on, and returns what that launch then
+// raised: "" if nothing, "still blocked" if it does not return.
+std::string finishAndJoin(FakeOp& oldest, std::future<void>& blocked,
+                          const std::string& error = "") {
+  oldest.finish(error);
+  if (blocked.wait_for(kHangGuard) != std::future_status::ready) {
+    return "still blocked";
+  }
+  try {
+    blocked.get();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 std::shared_ptr<FakeOp> launchP2P(Throttle& throttle, const char* op) {
   auto fake = std::make_shared<FakeOp>();
   throttle.launch(op, OpKind::kPointToPoint, [&] { return fake; });
@@ -332,9 +349,7 @@ TEST(Throttle, CollectiveNeverWaitsOnPointToPointLaunchedBeforeIt) {
   EXPECT_EQ(recv->waits(), 0);
   auto blocked = std::async(std::launch::async, [&] { launchFake(throttle); });
   ASSERT_TRUE(first->awaitWaiter());  // the oldest collective, not the recv
-  first->finish();
-  ASSERT_EQ(blocked.wait_for(kHangGuard), std::future_status::ready);
-  blocked.get();
+  EXPECT_EQ(finishAndJoin(*first, blocked), "");
   EXPECT_EQ(recv->waits(), 0);
 }
 
@@ -349,9 +364,7 @@ TEST(Throttle, PointToPointNeverWaitsBehindABlockedLaunch) {
                          [&] { return launchP2P(throttle, "send"); });
   ASSERT_EQ(send.wait_for(kHangGuard), std::future_status::ready);
   send.get();
-  oldest->finish();
-  ASSERT_EQ(blocked.wait_for(kHangGuard), std::future_status::ready);
-  blocked.get();
+  EXPECT_EQ(finishAndJoin(*oldest, blocked), "");
   EXPECT_EQ(throttle.stats().launched, 3);
 }
 
@@ -374,9 +387,7 @@ TEST(Throttle, CollectiveBatchIsOneUnitHoldingOneSlot) {
   });
   ASSERT_TRUE(first->awaitWaiter());
   EXPECT_FALSE(admitted.load());
-  first->finish();
-  ASSERT_EQ(next.wait_for(kHangGuard), std::future_status::ready);
-  next.get();
+  EXPECT_EQ(finishAndJoin(*first, next), "");
   EXPECT_EQ(throttle.stats().throttle_waits, 1);
 }
 
@@ -434,24 +445,17 @@ TEST(Throttle, FailureWhileWaitingSaysTheThrottleWasWaiting) {
                     [] { return std::make_shared<FakeOp>(); });
   });
   ASSERT_TRUE(failing->awaitWaiter());
-  failing->finish("Connection closed by peer");
-  ASSERT_EQ(blocked.wait_for(kHangGuard), std::future_status::ready);
-  try {
-    blocked.get();
-    FAIL() << "expected the failure";
-  } catch (const std::runtime_error& e) {
-    const std::string what = e.what();
-    EXPECT_EQ(
-        what.rfind("smp: barrier on process group 'tp' (cuda/nccl) failed "
-                   "while the throttle (SMP_NCCL_THROTTLE_LIMIT=1) waited "
-                   "for the oldest outstanding operation (all_reduce",
-                   0),
-        0)
-        << what;
-    EXPECT_NE(what.find("which failed: Connection closed by peer"),
-              std::string::npos)
-        << what;
-  }
+  const std::string what =
+      finishAndJoin(*failing, blocked, "Connection closed by peer");
+  EXPECT_EQ(what.rfind("smp: barrier on process group 'tp' (cuda/nccl) failed "
+                       "while the throttle (SMP_NCCL_THROTTLE_LIMIT=1) waited "
+                       "for the oldest outstanding operation (all_reduce",
+                       0),
+            0)
+      << what;
+  EXPECT_NE(what.find("which failed: Connection closed by peer"),
+            std::string::npos)
+      << what;
 }
 
 class NamedErrorOp : public Completion {
