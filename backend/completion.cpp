@@ -3,11 +3,13 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 
@@ -40,24 +42,38 @@ bool pollUntil(std::chrono::milliseconds timeout,
   }
 }
 
+// Runs `f`; a c10::Error it raises is raised again without its C++
+// backtrace, because the throttle quotes the message inside its own.
+template <typename F>
+auto withoutBacktrace(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 WorkCompletion::WorkCompletion(c10::intrusive_ptr<c10d::Work> work, Block block)
     : work_(std::move(work)), block_(block) {}
 
 bool WorkCompletion::poll() {
-  if (!work_->isCompleted()) {
-    return false;
-  }
-  if (auto error = work_->exception()) {
-    std::rethrow_exception(error);
-  }
-  return true;
+  return withoutBacktrace([&] {
+    if (!work_->isCompleted()) {
+      return false;
+    }
+    if (auto error = work_->exception()) {
+      std::rethrow_exception(error);
+    }
+    return true;
+  });
 }
 
 bool WorkCompletion::wait(std::chrono::milliseconds timeout) {
   if (block_ == Block::kWait) {
-    return work_->wait(timeout);  // throws on failure and on timeout
+    // Throws on failure and on timeout.
+    return withoutBacktrace([&] { return work_->wait(timeout); });
   }
   return pollUntil(timeout, [this] { return poll(); });
 }

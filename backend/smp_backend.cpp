@@ -36,6 +36,19 @@ std::string label(const std::string& group, const char* transport) {
   return "process group '" + group + "' (" + transport + ")";
 }
 
+// Runs `f`, adding the operation and the group to a c10::Error it raises
+// (which keeps its Python type).
+template <typename F>
+auto withContext(const char* op, const std::string& label, F&& f)
+    -> decltype(f()) {
+  try {
+    return f();
+  } catch (c10::Error& e) {
+    e.add_context("smp: " + std::string(op) + " on " + label + " failed");
+    throw;
+  }
+}
+
 }  // namespace
 
 SmpBackend::SmpBackend(int rank, int size,
@@ -105,34 +118,75 @@ std::shared_ptr<Completion> SmpBackend::completionFor(const WorkPtr& work,
 template <typename Call>
 WorkPtr SmpBackend::run(const char* op, const at::Device& device, bool asyncOp,
                         Call&& call) {
+  return dispatch(op, OpKind::kCollective, device, asyncOp,
+                  std::forward<Call>(call));
+}
+
+template <typename Call>
+WorkPtr SmpBackend::runPointToPoint(const char* op, const at::Device& device,
+                                    Call&& call) {
+  return dispatch(op, OpKind::kPointToPoint, device, /*asyncOp=*/true,
+                  std::forward<Call>(call));
+}
+
+template <typename Call>
+WorkPtr SmpBackend::dispatch(const char* op, OpKind kind,
+                             const at::Device& device, bool asyncOp,
+                             Call&& call) {
   Route& route = routeFor(op, device);
-  c10d::Backend& backend = *route.backend;
-  if (coalescing_ && device.is_cuda()) {
-    // NCCL enqueues the whole group at endCoalescing: throttled there.
-    if (!ncclCoalescing_) {
-      backend.startCoalescing();
-      ncclCoalescing_ = true;
-      coalescedCudaDevice_ = device;
-    }
-    return call(backend);
+  if (batch_.open) {
+    return joinBatch(op, kind, device, route, std::forward<Call>(call));
   }
+  c10d::Backend& backend = *route.backend;
   WorkPtr named;
-  try {
-    route.throttle->launch(op, [&] {
+  withContext(op, *route.label, [&] {
+    route.throttle->launch(op, kind, [&]() -> std::shared_ptr<Completion> {
       WorkPtr work = call(backend);
       if (work) {
         named = c10::make_intrusive<NamedWork>(work, op, route.label);
       }
+      if (kind == OpKind::kPointToPoint) {
+        return nullptr;  // tracked by nobody: see throttle.h
+      }
       return completionFor(named, device, asyncOp);
     });
-  } catch (c10::Error& e) {
-    e.add_context("smp: " + std::string(op) + " on " + route.throttle->label() +
-                  " failed");
-    throw;
+  });
+  return named;
+}
+
+// An operation issued inside a coalesced batch: the batch, not the
+// operation, goes through the throttle.
+template <typename Call>
+WorkPtr SmpBackend::joinBatch(const char* op, OpKind kind,
+                              const at::Device& device, Route& route,
+                              Call&& call) {
+  c10d::Backend& backend = *route.backend;
+  if (kind == OpKind::kPointToPoint) {
+    batch_.kind = OpKind::kPointToPoint;
   }
-  if (named && coalescing_) {
-    coalescedCpuWorks_.push_back(named);
+  if (device.is_cuda()) {
+    // NCCL enqueues the whole batch at endCoalescing: admitted there.
+    if (!batch_.nccl) {
+      backend.startCoalescing();
+      batch_.nccl = true;
+      batch_.ncclDevice = device;
+    }
+    return call(backend);
   }
+  if (!batch_.gloo) {
+    batch_.gloo = true;
+    // Gloo starts each operation as it is issued, so a batch that starts
+    // with a collective waits for its slot before the first one.
+    if (kind == OpKind::kCollective) {
+      route.throttle->admitBatch("coalesced");
+    }
+  }
+  WorkPtr work = withContext(op, *route.label, [&] { return call(backend); });
+  if (!work) {
+    return work;
+  }
+  WorkPtr named = c10::make_intrusive<NamedWork>(work, op, route.label);
+  batch_.glooWorks.push_back(named);
   return named;
 }
 
@@ -312,26 +366,28 @@ WorkPtr SmpBackend::unevenAlltoallOnGloo(std::vector<at::Tensor>& outputs,
               return c10::IValue(outputs);
             },
             c10::ListType::ofTensors());
-        return Work::create_from_future(copied);
+        return c10::make_intrusive<FutureWork>(copied, "all_to_all");
       });
 }
 
 WorkPtr SmpBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
                          int tag) {
-  return run("send", deviceOf(tensors, "send"), /*asyncOp=*/true,
-             [&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); });
+  return runPointToPoint(
+      "send", deviceOf(tensors, "send"),
+      [&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); });
 }
 
 WorkPtr SmpBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
                          int tag) {
-  return run("recv", deviceOf(tensors, "recv"), /*asyncOp=*/true,
-             [&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); });
+  return runPointToPoint(
+      "recv", deviceOf(tensors, "recv"),
+      [&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); });
 }
 
 WorkPtr SmpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return run("recv_anysource", deviceOf(tensors, "recv_anysource"),
-             /*asyncOp=*/true,
-             [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
+  return runPointToPoint(
+      "recv_anysource", deviceOf(tensors, "recv_anysource"),
+      [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
 }
 
 WorkPtr SmpBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -348,38 +404,48 @@ WorkPtr SmpBackend::barrier(const c10d::BarrierOptions& opts) {
 // --- coalescing ------------------------------------------------------------
 
 void SmpBackend::startCoalescing() {
-  TORCH_CHECK(!coalescing_,
+  TORCH_CHECK(!batch_.open,
               "smp: startCoalescing called twice on process group '",
               config_.group_name, "' without endCoalescing in between");
-  coalescing_ = true;
-  ncclCoalescing_ = false;
-  coalescedCpuWorks_.clear();
+  batch_ = Batch{};
+  batch_.open = true;
 }
 
 WorkPtr SmpBackend::endCoalescing() {
-  TORCH_CHECK(coalescing_, "smp: endCoalescing on process group '",
+  TORCH_CHECK(batch_.open, "smp: endCoalescing on process group '",
               config_.group_name, "' without startCoalescing");
-  coalescing_ = false;
-  auto cpuWorks = std::move(coalescedCpuWorks_);
-  coalescedCpuWorks_.clear();
-  if (ncclCoalescing_) {
-    ncclCoalescing_ = false;
-    TORCH_CHECK(cpuWorks.empty(),
+  Batch batch = std::move(batch_);
+  batch_ = Batch{};
+  if (batch.nccl) {
+    TORCH_CHECK(!batch.gloo,
                 "smp: one coalesced batch mixed CPU and CUDA tensors on "
                 "process group '",
                 config_.group_name, "'; batch them separately per device");
     WorkPtr named;
-    const at::Device device = coalescedCudaDevice_;
-    cuda_.throttle->launch("coalesced", [&] {
-      WorkPtr work = cuda_.backend->endCoalescing();
-      if (work) {
-        named = c10::make_intrusive<NamedWork>(work, "coalesced", cuda_.label);
-      }
-      return completionFor(named, device, /*asyncOp=*/true);
-    });
+    const at::Device device = batch.ncclDevice;
+    cuda_.throttle->launch(
+        "coalesced", batch.kind, [&]() -> std::shared_ptr<Completion> {
+          WorkPtr work = cuda_.backend->endCoalescing();
+          if (work) {
+            named =
+                c10::make_intrusive<NamedWork>(work, "coalesced", cuda_.label);
+          }
+          if (batch.kind == OpKind::kPointToPoint) {
+            return nullptr;
+          }
+          return completionFor(named, device, /*asyncOp=*/true);
+        });
     return named;
   }
-  return c10::make_intrusive<GroupWork>(std::move(cpuWorks));
+  WorkPtr group = c10::make_intrusive<GroupWork>(std::move(batch.glooWorks));
+  if (batch.gloo) {
+    cpu_.throttle->endBatch(
+        "coalesced", batch.kind,
+        batch.kind == OpKind::kCollective
+            ? completionFor(group, at::Device(c10::kCPU), /*asyncOp=*/true)
+            : nullptr);
+  }
+  return group;
 }
 
 // --- group management ------------------------------------------------------

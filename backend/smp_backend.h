@@ -116,9 +116,23 @@ class SmpBackend : public c10d::Backend {
     std::shared_ptr<const std::string> label;  // for the Work handed out
   };
 
+  // A collective, and a send or receive: they differ in how the throttle
+  // admits them (throttle.h says why).
   template <typename Call>
   c10::intrusive_ptr<c10d::Work> run(const char* op, const at::Device& device,
                                      bool asyncOp, Call&& call);
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> runPointToPoint(const char* op,
+                                                 const at::Device& device,
+                                                 Call&& call);
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> dispatch(const char* op, OpKind kind,
+                                          const at::Device& device,
+                                          bool asyncOp, Call&& call);
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> joinBatch(const char* op, OpKind kind,
+                                           const at::Device& device,
+                                           Route& route, Call&& call);
   Route& routeFor(const char* op, const at::Device& device);
   std::shared_ptr<Completion> completionFor(
       const c10::intrusive_ptr<c10d::Work>& work, const at::Device& device,
@@ -133,12 +147,20 @@ class SmpBackend : public c10d::Backend {
   Route cpu_;
   Route cuda_;
 
-  // Coalescing state (batch_isend_irecv). NCCL coalesces natively, and is
-  // started lazily because startCoalescing() is not told the device.
-  bool coalescing_ = false;
-  bool ncclCoalescing_ = false;
-  at::Device coalescedCudaDevice_{c10::kCUDA};
-  std::vector<c10::intrusive_ptr<c10d::Work>> coalescedCpuWorks_;
+  // The batch between startCoalescing and endCoalescing (batch_isend_irecv,
+  // _coalescing_manager): one unit to the throttle on either device. NCCL
+  // coalesces natively and is started lazily, because startCoalescing() is
+  // not told the device; Gloo has no coalescing, so its operations are
+  // issued one by one and completed together (GroupWork).
+  struct Batch {
+    bool open = false;
+    OpKind kind = OpKind::kCollective;  // kPointToPoint once one joins
+    bool nccl = false;                  // NCCL coalescing started
+    at::Device ncclDevice{c10::kCUDA};
+    bool gloo = false;  // an operation went to Gloo
+    std::vector<c10::intrusive_ptr<c10d::Work>> glooWorks;
+  };
+  Batch batch_;
 };
 
 }  // namespace smp

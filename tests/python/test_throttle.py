@@ -7,9 +7,12 @@ GPU exists.
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -103,18 +106,30 @@ def test_invalid_limit_is_rejected_when_the_group_is_created(variable, value):
 
 
 def stuck_peer(rank, world_size, throttled):
-    """Rank 1 never joins; rank 0's all_reduce must fail by the group timeout, named."""
+    """Rank 1 never joins but stays alive; rank 0 must fail by the group timeout, named."""
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
+        store.wait(["rank0_done"], datetime.timedelta(seconds=60))
         return "idle"
-    if throttled:
-        # The first op occupies the only slot; the second launch blocks on it
-        # in the throttle and must raise there when the first times out.
-        dist.all_reduce(torch.ones(4), async_op=True)
-        with pytest.raises(RuntimeError) as info:
-            dist.all_reduce(torch.ones(4), async_op=True)
-    else:
-        with pytest.raises(RuntimeError) as info:
-            dist.all_reduce(torch.ones(4))
+    try:
+        if throttled:
+            # The all_reduce occupies the only slot; the broadcast blocks on it
+            # in the throttle and must raise there, naming itself, when the
+            # all_reduce times out.
+            w = dist.all_reduce(torch.ones(4), async_op=True)
+            with pytest.raises(RuntimeError) as info:
+                dist.broadcast(torch.ones(4), group_src=0, async_op=True)
+            # The all_reduce's own handle gives its error at once: the
+            # throttle's wait was its wait, not a second full timeout.
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="smp: all_reduce on process group '0'"):
+                w.wait()
+            assert time.monotonic() - start < 1.0
+        else:
+            with pytest.raises(RuntimeError) as info:
+                dist.all_reduce(torch.ones(4))
+    finally:
+        store.set("rank0_done", "1")
     return str(info.value)
 
 
@@ -123,7 +138,16 @@ def test_timed_out_operation_raises_naming_op_and_group(throttled):
     env = {"SMP_GLOO_THROTTLE_LIMIT": "1"} if throttled else {}
     messages = run_ranks(stuck_peer, 2, throttled, env=env, group_timeout=3, timeout=60)
     assert messages[1] == "idle"
-    assert "smp: all_reduce on process group '0' (cpu/gloo)" in messages[0], messages[0]
+    if throttled:
+        assert re.match(
+            r"smp: broadcast on process group '0' \(cpu/gloo\) timed out while the throttle "
+            r"\(SMP_GLOO_THROTTLE_LIMIT=1\) waited for the oldest outstanding operation "
+            r"\(all_reduce, operation #\d+ of this group, launched \d+ ms earlier\), which did not "
+            r"complete within 3000 ms",
+            messages[0],
+        ), messages[0]
+    else:
+        assert "smp: all_reduce on process group '0' (cpu/gloo)" in messages[0], messages[0]
 
 
 def stats_of_foreign_group(rank, world_size):
