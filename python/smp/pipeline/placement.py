@@ -3,8 +3,6 @@ parameters and buffers this rank keeps."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import fx, nn
@@ -12,6 +10,7 @@ from torch import fx, nn
 from smp import params as param_facts
 from smp import passes
 from smp.config import Config
+from smp.passes.fx_utils import COMPUTE_OPS, fetch_attr
 
 
 def plan_stages(
@@ -30,7 +29,7 @@ def plan_stages(
         seconds = passes.cost.measure_seconds(gm, example_inputs)
     passes.cost.annotate(gm, seconds)
     if num_stages == 1:
-        every = {n.name: 0 for n in gm.graph.nodes if n.op in passes.partition.COMPUTE_OPS}
+        every = {n.name: 0 for n in gm.graph.nodes if n.op in COMPUTE_OPS}
         return passes.plan_from_assignment(gm, every, 1)
     colocate = config.colocate_shared_parameters
     if config.auto_partition:
@@ -80,4 +79,4 @@ def keep_local(
 
 def attr_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The parameters and buffers a graph module reads."""
-    return [functools.reduce(getattr, n.target.split("."), gm) for n in gm.graph.nodes if n.op == "get_attr"]
+    return [fetch_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]

@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from smp import params as param_facts
 from smp import passes
+from smp.passes.fx_utils import COMPUTE_OPS
 
 # Captured graphs keyed by the modules' train/eval flags, each with its partition plan.
 Modes = dict[tuple[bool, ...], tuple[passes.CapturedGraph, passes.PartitionPlan]]
@@ -69,7 +70,7 @@ def stages_after_rewrite(gm: fx.GraphModule, before: dict[str, int]) -> dict[str
     (`smp_tp_origin`); nodes serving the output run on the latest stage of their inputs."""
     stages: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if node.op not in passes.partition.COMPUTE_OPS:
+        if node.op not in COMPUTE_OPS:
             continue
         origin = node.meta.get("smp_tp_origin", node.name)
         inputs = [stages[n.name] for n in node.all_input_nodes if n.name in stages]
