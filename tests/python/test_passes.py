@@ -591,3 +591,47 @@ def test_stage_may_start_with_an_in_place_op_on_a_received_value():
     out.sum().backward()
     torch.testing.assert_close(out, module(x))
     assert received.grad is not None and received.grad.abs().sum() > 0
+
+
+def test_tensor_parallel_rule_registry_refuses_a_second_rule_for_an_op():
+    from smp.passes.tensor_parallel import registry
+
+    linear = torch.ops.aten.linear.default
+    assert registry.lookup(linear) is not None
+    with pytest.raises(ValueError, match=r"two tensor-parallel rules for aten\.linear\.default"):
+        registry.rule(linear)(lambda rewrite, node: None)
+    # Pointwise ops without a rule of their own find the rule of their tag.
+    assert registry.lookup(torch.ops.aten.gelu.default) is registry.lookup(torch.Tag.pointwise)
+
+
+def test_tensor_parallel_restarts_are_bounded_by_the_demotable_keys():
+    from smp.passes.tensor_parallel import Demote, _run_with_demotions
+
+    def demote_each_once(keys):
+        pending = list(keys)
+
+        def attempt():
+            if pending:
+                raise Demote(pending.pop(0), "heads do not divide")
+            return "rewritten"
+
+        return attempt
+
+    replicated: dict[str, str] = {}
+    assert _run_with_demotions(demote_each_once(["a", "b"]), replicated, {"a", "b", "c"}) == "rewritten"
+    assert replicated == {"a": "heads do not divide", "b": "heads do not divide"}
+
+    def same_key_forever():
+        raise Demote("blocks.0", "read whole elsewhere")
+
+    with pytest.raises(RuntimeError, match=r"demoted blocks\.0 again \(read whole elsewhere\)"):
+        _run_with_demotions(same_key_forever, {}, {"blocks.0"})
+
+    counter = iter(range(100))
+
+    def new_stray_key_forever():
+        raise Demote(f"stray{next(counter)}", "made up")
+
+    stray = r"2 restarts, more than the 1 modules .* 1\. stray0: made up; 2\. stray1: made up"
+    with pytest.raises(RuntimeError, match=stray):
+        _run_with_demotions(new_stray_key_forever, {}, {"x"})
