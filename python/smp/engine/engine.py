@@ -69,6 +69,7 @@ class Engine:
         self._track_activations = False
         self._failed_step: str | None = None
         self._backward_ran = False
+        self._tracing = False
         if not self.captures:
             self._install(place_whole(module, config, groups))
 
@@ -82,6 +83,11 @@ class Engine:
     @property
     def partitioned(self) -> bool:
         return self.parallelized is not None
+
+    @property
+    def tracing(self) -> bool:
+        """Whether the module is being captured now (its forward runs on fake tensors)."""
+        return self._tracing
 
     @property
     def shard_specs(self) -> Mapping[int, passes.ShardSpec]:
@@ -171,11 +177,14 @@ class Engine:
     # --- parallelization -----------------------------------------------------------------
 
     def _partition(self, args: tuple, kwargs: dict, batch_size: int | None) -> None:
-        self._install(
-            parallelize(
+        self._tracing = True
+        try:
+            parallelized = parallelize(
                 self.module, args, kwargs, self.config, self.groups, batch_size, self._trace_execution_times
             )
-        )
+        finally:
+            self._tracing = False
+        self._install(parallelized)
         self._grad_sync.start_step(self.config.microbatches)  # this step is under way
         self._meter = SavedActivationMeter(self.module.parameters())
         self.track_saved_activations(self._track_activations)
