@@ -30,10 +30,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     each reduced-data-parallel rank also keeps the optimizer state of only a 1/rdp chunk
     of them (ZeRO-1, see smp.optim.flat_state); with `bf16`/`fp16` it keeps fp32 master
     weights. fp16 training scales the loss: `static_loss_scale`, or `dynamic_loss_scale`
-    with SMP's `dynamic_loss_args` (init_scale 2**32, scale_factor 2, scale_window 1000,
-    min_scale 1, delayed_shift 1, consecutive_hysteresis False); a step in which any rank
-    saw an inf or nan is skipped on every rank. It is a torch Optimizer (LR schedulers
-    accept it) whose param_groups and state are the wrapped optimizer's.
+    with SMP's `dynamic_loss_args` dict (init_scale 2**32, scale_factor 2, scale_window 1000,
+    min_scale 1, delayed_shift 1, consecutive_hysteresis False; its keys may also come as
+    keywords); a step in which any rank saw an inf or nan is skipped on every rank, and
+    `overflow` tells whether the last step was. As in SMP, the loss-scaling arguments apply
+    only when the config has `fp16` (scripts pass them in bf16 and fp32 runs too: there they
+    are checked and have no effect), and `static_loss_scale=None` means 1. It is a torch
+    Optimizer (LR schedulers accept it) whose param_groups and state are the wrapped optimizer's.
     """
 
     # Optimizer.__init__ is not called: all state lives in the wrapped optimizer.
@@ -41,9 +44,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        static_loss_scale: float = 1.0,
+        static_loss_scale: float | None = 1.0,
         dynamic_loss_scale: bool = False,
-        **dynamic_loss_args,
+        dynamic_loss_args: dict | None = None,
+        **dynamic_loss_kwargs,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -71,13 +75,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._engine = model.engine
         self._localized = False
         self._flat: FlatState | None = None
-        self._scaler = LossScaler(static_loss_scale, dynamic_loss_scale, **dynamic_loss_args)
-        self._overflow = False
+        self._scaler = _loss_scaler(
+            model.engine.config.fp16,
+            static_loss_scale,
+            dynamic_loss_scale,
+            dynamic_loss_args,
+            dynamic_loss_kwargs,
+        )
+        self._overflow = False  # the coming step must be skipped
+        self._skipped = False  # the last step was skipped
         self._engine.attach_optimizer(self)
 
     @property
     def loss_scale(self) -> float:
         return self._scaler.scale
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step() was skipped because some rank's gradients had an inf or nan
+        (SMP v1's attribute; scripts skip their LR scheduler's step on it)."""
+        return self._skipped
 
     @property
     def flat_state(self) -> FlatState | None:
@@ -92,6 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         self._localize()
+        self._skipped = self._overflow
         if self._overflow:  # every rank agrees: skip, and lower the scale
             self._overflow = False
             self._scaler.update(True)
@@ -246,6 +264,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._scaler.dynamic and self._scaler.scale == 1.0:
             return {}
         return {"smp_loss_scaler": self._scaler.state_dict()}
+
+
+def _loss_scaler(fp16: bool, static_scale, dynamic: bool, args: dict | None, kwargs: dict) -> LossScaler:
+    """SMP's loss scaling: the arguments are checked always, and used only in fp16 training."""
+    if args is not None and not isinstance(args, dict):
+        raise TypeError(
+            f"smp.DistributedOptimizer: dynamic_loss_args must be a dict such as "
+            f"{{'scale_window': 1000, 'min_scale': 1, 'delayed_shift': 2}}, got {type(args).__name__}"
+        )
+    both = sorted(set(args or {}) & set(kwargs))
+    if both:
+        raise TypeError(f"smp.DistributedOptimizer: {both} given both in dynamic_loss_args and as keywords")
+    scaler = LossScaler(1.0 if static_scale is None else static_scale, dynamic, **(args or {}), **kwargs)
+    return scaler if fp16 else LossScaler(1.0, False)
 
 
 _checked: weakref.WeakSet = weakref.WeakSet()  # optimizers found right once partitioned
