@@ -100,3 +100,54 @@ def test_mnist_style_script_pp2_dp2_saves_and_loads_before_the_first_step(tmp_pa
         "--results", str(tmp_path / "run3.json"), timeout=300,
     )  # fmt: skip
     _check(tmp_path / "run3.json", continued, "full load", replicas=1)
+
+
+def _gpt2_reference(notebook, optimizer_steps: int, passes: int = 2, batch: int = 4):
+    """One process, plain torch and transformers: the same model, data, Adam and accumulation."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(notebook.model_config())
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    data = notebook.token_batches(optimizer_steps * passes, batch)
+    losses = []
+    for step in range(optimizer_steps):
+        opt.zero_grad()
+        for k in range(passes):
+            ids = data[step * passes + k]
+            loss = net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)["loss"]
+            (loss / passes).backward()
+            losses.append(loss.item())
+        opt.step()
+    return losses, net.state_dict()
+
+
+@pytest.mark.slow
+def test_gpt2_notebook_style_script_fp32_then_resumed_in_bf16(tmp_path):
+    pytest.importorskip("transformers")
+    assert _smp_imports("v1_gpt2_notebook") == [
+        "import smdistributed.modelparallel",
+        "import smdistributed.modelparallel.torch as smp",
+        "from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2",
+    ]
+    notebook = _example("v1_gpt2_notebook")
+    ckpt = tmp_path / "ckpt"
+    # 2 pipeline stages (manual partition), 2 optimizer steps of 2 accumulated passes, fp32.
+    common = ("--checkpoint_dir", str(ckpt), "--results")
+    run_torchrun("examples/v1_gpt2_notebook.py", 2, *common, str(tmp_path / "fp32.json"), timeout=300)
+    got = json.loads((tmp_path / "fp32.json").read_text())
+    losses, params = _gpt2_reference(notebook, 2)
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses, strict=True)) < 1e-5, (got["losses"], losses)
+    err = max((torch.tensor(got["params"][k]) - v).abs().max().item() for k, v in params.items())
+    assert err < 1e-5 and got["overflow"] == [False, False], err
+    assert (ckpt / "newest").read_text() == "step_2"
+    # A new run resumes that checkpoint in bf16 (the same dynamic-loss arguments: no scaling there).
+    run_torchrun(
+        "examples/v1_gpt2_notebook.py", 2, "--bf16", "1", "--resume", "1", "--steps", "1",
+        *common, str(tmp_path / "bf16.json"), timeout=300,
+    )  # fmt: skip
+    got = json.loads((tmp_path / "bf16.json").read_text())
+    losses, params = _gpt2_reference(notebook, 3)
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses[-2:], strict=True)) < 3e-2, (got, losses)
+    err = max((torch.tensor(got["params"][k]) - v).abs().max().item() for k, v in params.items())
+    assert err < 2e-2 and got["overflow"] == [False], err
