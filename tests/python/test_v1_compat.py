@@ -137,3 +137,6 @@ def test_state_cfg_needs_init_and_model_creation_checks_dtype():
     with pytest.raises(RuntimeError, match="call smp.init"):
         smp.state.cfg  # noqa: B018
     assert smp.is_tracing() is False
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype, got torch.int64"):
+        with smp.model_creation(dtype=torch.int64):
+            pass
