@@ -32,6 +32,10 @@ class StepOutput:
     def __len__(self) -> int:
         return len(self.outputs)
 
+    def detach(self) -> StepOutput:
+        """The same outputs detached (transformers' Trainer calls `.detach().concat()` on them)."""
+        return StepOutput([o.detach() if isinstance(o, torch.Tensor) else o for o in self.outputs])
+
     def reduce_mean(self):
         return self.reduce_sum() / len(self.outputs)
 

@@ -140,3 +140,13 @@ def test_state_cfg_needs_init_and_model_creation_checks_dtype():
     with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype, got torch.int64"):
         with smp.model_creation(dtype=torch.int64):
             pass
+
+
+def test_step_output_indexes_iterates_and_detaches_as_smp_and_transformers_use_it():
+    from smp.step import StepOutput
+
+    out = StepOutput([torch.ones(2, requires_grad=True) * 2, torch.zeros(2)])
+    assert len(out) == 2 and out[1].sum().item() == 0 and [t.shape for t in out] == [(2,), (2,)]
+    # transformers' smp_nested_concat: tensor.detach().concat().cpu()
+    joined = out.detach().concat().cpu()
+    assert joined.tolist() == [2.0, 2.0, 0.0, 0.0] and not joined.requires_grad
