@@ -112,6 +112,14 @@ def resume_from_checkpoint(
             tag = f.read().strip()
     folder = os.path.join(path, _folder(tag, partial))
     model_file = os.path.join(folder, f"model_{_mp_suffix()}.pt" if partial else "model.pt")
+    if not partial and os.path.isfile(folder):
+        # SMP also resumed a full checkpoint that is one state_dict file, `path/tag`: transformers'
+        # Trainer resumes its pytorch_model.bin this way (with load_optimizer=False).
+        model_state = torch.load(folder, map_location="cpu", weights_only=False)
+        model.register_post_partition_hook(
+            lambda model, optimizer: model.load_state_dict(model_state, strict)
+        )
+        return None
     if not os.path.exists(model_file):
         raise FileNotFoundError(
             f"smp.resume_from_checkpoint: {model_file} does not exist; a partial checkpoint resumes only on "

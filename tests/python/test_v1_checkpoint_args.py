@@ -71,3 +71,33 @@ def test_save_load_arguments_marks_and_deferred_optimizer_load(tmp_path):
             "gathered with (pipeline, tensor) parallel degrees (4, 1), but this run has (2, 1)"
             in r["layout_error"]
         )
+
+
+def _resume_one_file(rank, world_size, folder):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    saved = {k: v + 1 for k, v in net.state_dict().items()}
+    if rank == 0:
+        torch.save(saved, os.path.join(folder, "pytorch_model.bin"))  # as transformers' Trainer saves
+    smp.barrier()
+    model = smp.DistributedModel(net)
+    smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    # transformers' Trainer: a full checkpoint that is one state_dict file, before the first step.
+    content = smp.resume_from_checkpoint(folder, tag="pytorch_model.bin", partial=False, load_optimizer=False)
+
+    @smp.step
+    def train(x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    train(torch.ones(2, 4))
+    full = model.state_dict()
+    return content is None and all(torch.equal(full[k], v) for k, v in saved.items())
+
+
+def test_resume_from_a_single_state_dict_file_as_transformers_does(tmp_path):
+    assert run_ranks(_resume_one_file, 2, str(tmp_path), timeout=180) == [True, True]
