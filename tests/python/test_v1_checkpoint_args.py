@@ -9,12 +9,30 @@ import torch
 from harness import run_ranks
 
 
-def _save_load_marks(rank, world_size, folder):
+def _pipeline_net():
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def _one_step(smp, model) -> None:
+    """The first step (the model is partitioned in it)."""
+
+    @smp.step
+    def train(x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    train(torch.ones(2, 4))
+
+
+def _save_load_marks(rank, world_size, folder):
+    import smp
+
+    net = _pipeline_net()
     full = {k: v.clone() for k, v in net.state_dict().items()}
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
@@ -24,13 +42,7 @@ def _save_load_marks(rank, world_size, folder):
     opt.load_state_dict(torch.optim.Adam([torch.zeros(1), torch.zeros(1)], lr=0.5).state_dict())
     out["lr_before_step"] = opt.param_groups[0]["lr"]
 
-    @smp.step
-    def train(x):
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
-
-    train(torch.ones(2, 4))
+    _one_step(smp, model)
     out["lr_after_partition"] = opt.param_groups[0]["lr"]
     opt.step()
     # smp.save(partial=False) writes once (from rank 0), whatever other ranks pass.
@@ -76,9 +88,7 @@ def test_save_load_arguments_marks_and_deferred_optimizer_load(tmp_path):
 def _resume_one_file(rank, world_size, folder):
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    net = _pipeline_net()
     saved = {k: v + 1 for k, v in net.state_dict().items()}
     if rank == 0:
         torch.save(saved, os.path.join(folder, "pytorch_model.bin"))  # as transformers' Trainer saves
@@ -88,13 +98,7 @@ def _resume_one_file(rank, world_size, folder):
     # transformers' Trainer: a full checkpoint that is one state_dict file, before the first step.
     content = smp.resume_from_checkpoint(folder, tag="pytorch_model.bin", partial=False, load_optimizer=False)
 
-    @smp.step
-    def train(x):
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
-
-    train(torch.ones(2, 4))
+    _one_step(smp, model)
     full = model.state_dict()
     return content is None and all(torch.equal(full[k], v) for k, v in saved.items())
 
