@@ -20,6 +20,7 @@ from smp.comm import (
     send,
     tp_barrier,
 )
+from smp.compat import is_tracing, model_creation, state
 from smp.config import Config
 from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
 from smp.engine.delayed_init import delay_param_initialization
@@ -73,6 +74,9 @@ MP_GROUP = CommGroup.MP_GROUP
 WORLD_RANK = RankType.WORLD_RANK
 MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
+PP_RANK = RankType.PP_RANK
+TP_RANK = RankType.TP_RANK
+RDP_RANK = RankType.RDP_RANK
 
 __all__ = [
     "delay_param_initialization",
@@ -84,6 +88,9 @@ __all__ = [
     "MP_GROUP",
     "MP_RANK",
     "PP_GROUP",
+    "PP_RANK",
+    "TP_RANK",
+    "RDP_RANK",
     "RDP_GROUP",
     "TP_GROUP",
     "WORLD",
@@ -118,6 +125,9 @@ __all__ = [
     "get_world_process_group",
     "init",
     "is_initialized",
+    "is_tracing",
+    "model_creation",
+    "state",
     "load",
     "resume_from_checkpoint",
     "save",

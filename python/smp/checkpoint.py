@@ -22,14 +22,22 @@ from smp import comm, parallel_state
 _NEWEST = "newest"
 
 
-def save(obj: Any, f: str, partial: bool = True, **kwargs) -> None:
+def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> None:
     """torch.save; with partial=True each model-parallel rank writes its own file (`f` + `_{mp_rank}`).
-    Call it on the ranks that should write (usually those with rdp_rank() == 0)."""
-    torch.save(obj, _partial_name(f) if partial else f, **kwargs)
+    Call it on the ranks that should write (usually those with rdp_rank() == 0). With partial=False
+    the file is written once, by global rank 0, as in SMP. `v3` (SMP's sharded-checkpoint format flag,
+    which transformers passes) is accepted: the file is the same."""
+    del v3
+    if partial:
+        torch.save(obj, _partial_name(f), **kwargs)
+    elif not parallel_state.is_initialized() or parallel_state.rank() == 0:
+        torch.save(obj, f, **kwargs)
 
 
-def load(f: str, map_location=None, partial: bool = True) -> Any:
-    """Reads what smp.save wrote; with partial=True, this model-parallel rank's file."""
+def load(f: str, map_location=None, partial: bool = True, back_compat: bool = False) -> Any:
+    """Reads what smp.save wrote; with partial=True, this model-parallel rank's file. `back_compat`
+    (SMP's flag for its older file formats) is accepted: smp has one format."""
+    del back_compat
     path = _partial_name(f) if partial else f
     if not os.path.exists(path):
         partial_file = parallel_state.is_initialized() and not partial and os.path.exists(_partial_name(f))
@@ -104,6 +112,14 @@ def resume_from_checkpoint(
             tag = f.read().strip()
     folder = os.path.join(path, _folder(tag, partial))
     model_file = os.path.join(folder, f"model_{_mp_suffix()}.pt" if partial else "model.pt")
+    if not partial and os.path.isfile(folder):
+        # SMP also resumed a full checkpoint that is one state_dict file, `path/tag`: transformers'
+        # Trainer resumes its pytorch_model.bin this way (with load_optimizer=False).
+        model_state = torch.load(folder, map_location="cpu", weights_only=False)
+        model.register_post_partition_hook(
+            lambda model, optimizer: model.load_state_dict(model_state, strict)
+        )
+        return None
     if not os.path.exists(model_file):
         raise FileNotFoundError(
             f"smp.resume_from_checkpoint: {model_file} does not exist; a partial checkpoint resumes only on "
@@ -139,7 +155,7 @@ def _save_optimizer(optimizer, folder: str) -> None:
             os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt"),
         )
         return
-    state = optimizer.state_dict()
+    state = optimizer.rank_state_dict()  # one file per model-parallel rank: its own part
     if parallel_state.rdp_rank() == 0:
         torch.save(state, os.path.join(folder, f"optimizer_{_mp_suffix()}.pt"))
 

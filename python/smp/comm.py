@@ -6,8 +6,8 @@ synchronous, as in SMP v1.
 - broadcast(obj, group): send obj to every other member of `group`; each of them
   receives it with recv_from(sender, rank_type).
 - send(obj, dest_rank, rank_type) / recv_from(src_rank, rank_type): one object,
-  with the peer named in the rank space of `rank_type` (a rank of my MP or DP group,
-  or a global rank).
+  with the peer named in the rank space of `rank_type` (a rank of my MP, DP, PP, TP or
+  RDP group, or a global rank).
 - allgather(obj, group): every member's object, in group-rank order.
 """
 
@@ -34,7 +34,8 @@ def _check_group(group: Any) -> CommGroup:
 def _global_rank(peer: int, rank_type: Any, role: str) -> int:
     if not isinstance(rank_type, RankType):
         raise ValueError(
-            f"expected an smp.RankType (WORLD_RANK, MP_RANK or DP_RANK) for the {role}, got {rank_type!r}"
+            f"expected an smp.RankType ({', '.join(t.name for t in RankType)}) for the {role}, "
+            f"got {rank_type!r}"
         )
     ranks = parallel_state.state().topology.group_ranks(rank_type.value, parallel_state.rank())
     if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < len(ranks):

@@ -1,9 +1,11 @@
 """smp configuration: SMP v1's parameters, their defaults, and validation.
 
 A config comes as a dict to `smp.init(config)`, as JSON in the environment variable
-SMP_CONFIG (or SM_HP_MP_PARAMETERS, where SageMaker put it for SMP v1), or both:
-the explicit dict wins key by key. Every mistake is a ValueError that names the key,
-the value and the fix.
+SMP_CONFIG, or as JSON in SM_HP_MP_PARAMETERS (where SageMaker's launcher put it for SMP v1).
+Precedence, key by key: SM_HP_MP_PARAMETERS over the script's dict over SMP_CONFIG. The
+launcher's config winning over the script's is SMP v1's behaviour on SageMaker (scripts say
+so in comments); SMP_CONFIG is smp's own default layer. Every mistake is a ValueError that
+names the key, the value and the fix.
 """
 
 from __future__ import annotations
@@ -17,14 +19,42 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-ENV_VARS = ("SMP_CONFIG", "SM_HP_MP_PARAMETERS")
+DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
+LAUNCHER_VAR = "SM_HP_MP_PARAMETERS"  # above it, as on SageMaker
+ENV_VARS = (DEFAULTS_VAR, LAUNCHER_VAR)
 PLACEMENT_ALIASES = {"cluster": "DPT", "spread": "TPD"}
 PLACEMENT_ORDERS = tuple("".join(p) for p in itertools.permutations("DPT"))
 
-# SMP v1 keys that configured its SageMaker/Horovod plumbing; they do nothing
-# here and are accepted so v1 configs keep working.
-LEGACY_NO_OP_KEYS = ("ddp_port", "ddp_dist_backend", "contiguous", "horovod", "predefined_hooks")
-ALIASES = {"partitions": "pipeline_parallel_degree"}
+_PLUMBING = "configured SMP v1's plumbing (SageMaker, Horovod)"
+_SDP = "tunes sharded data parallelism (sharded_data_parallel_degree > 1), which smp does not support yet"
+# SMP v1 keys that real scripts pass and that change nothing in smp: accepted, with a
+# warning that says why. key -> a predicate of the key, why it has no effect.
+LEGACY_NO_OP_KEYS = {
+    "ddp_port": _PLUMBING,
+    "ddp_dist_backend": _PLUMBING + "; smp's groups always use the 'smp' backend",
+    "contiguous": _PLUMBING,
+    "horovod": _PLUMBING,
+    "predefined_hooks": _PLUMBING,
+    "deterministic_server": "configured SMP v1's parameter server, which smp does not have",
+    "static_mode": "asked SMP v1 to trace once and reuse the graph, which smp always does",
+    "fast_mode": "asked SMP v1 to send activations straight to the stages that use them, which smp "
+    "always does",
+    "checkpoint_attentions": "checkpointed attention inside SMP v1's own DistributedTransformer "
+    "layers; smp shards the model's own layers",
+    "_match_weights": "checked SMP v1's re-initialized distributed weights; smp slices the original "
+    "weights, so they always match",
+    "_fp32_grad_accumulation": "asked for fp32 gradient accumulation, which smp always does under bf16/fp16",
+    "fp16_params": "asked for fp16 distributed parameters; smp's parameter dtype follows 'fp16' / "
+    "'bf16' (set 'fp16': true)",
+    "sdp_hierarchical_allgather": _SDP,
+    "sdp_gradient_clipping": _SDP,
+    "sdp_reduce_bucket_size": _SDP,
+    "sdp_param_persistence_threshold": _SDP,
+    "sdp_max_live_parameters": _SDP,
+}
+ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
+# Keys whose null means "SMP's default" (SMP's own config had default_partition: None).
+NULL_MEANS_DEFAULT = ("default_partition",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,42 +129,68 @@ _POSITIVE_INTS = (
 )
 
 
-def from_env() -> dict[str, Any]:
-    """The config held as JSON in SMP_CONFIG (or SM_HP_MP_PARAMETERS), else {}."""
-    for var in ENV_VARS:
-        text = os.environ.get(var)
-        if text:
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"smp config: {var} is not valid JSON ({e}); set it to a JSON object") from e
-            if not isinstance(value, dict):
-                raise ValueError(f"smp config: {var} must hold a JSON object, got {type(value).__name__}")
-            return value
-    return {}
+def from_env(var: str | None = None) -> dict[str, Any]:
+    """The config held as JSON in `var`; without `var`, SMP_CONFIG under SM_HP_MP_PARAMETERS."""
+    if var is None:
+        return {**from_env(DEFAULTS_VAR), **from_env(LAUNCHER_VAR)}
+    text = os.environ.get(var)
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"smp config: {var} is not valid JSON ({e}); set it to a JSON object") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"smp config: {var} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def parse(config: Mapping[str, Any] | None = None) -> Config:
-    """Merges the environment's config with `config` (which wins) and validates it."""
+    """Merges SMP_CONFIG, `config` and SM_HP_MP_PARAMETERS (each winning over the one before,
+    key by key) and validates the result."""
     if config is not None and not isinstance(config, Mapping):
         raise ValueError(f"smp config must be a dict, got {type(config).__name__}: {config!r}")
-    merged = {**from_env(), **(config or {})}
-    values: dict[str, Any] = {}
-    for key, value in merged.items():
+    script = _normalized(dict(config or {}), "the config")
+    launcher = _normalized(from_env(LAUNCHER_VAR), LAUNCHER_VAR)
+    overridden = {k: (script[k], v) for k, v in launcher.items() if k in script and script[k] != v}
+    if overridden:
+        changes = ", ".join(f"'{k}'={new!r} (script: {old!r})" for k, (old, new) in overridden.items())
+        warnings.warn(
+            f"smp config: {LAUNCHER_VAR} sets {changes}; the launcher's config wins over the script's, "
+            "as in SMP v1 on SageMaker",
+            stacklevel=3,
+        )
+    merged = {**_normalized(from_env(DEFAULTS_VAR), DEFAULTS_VAR), **script, **launcher}
+    values = {name: _check_value(name, value) for name, value in merged.items()}
+    return _check_combination(Config(**values))
+
+
+def _normalized(source: dict[str, Any], where: str) -> dict[str, Any]:
+    """One source's keys under their canonical names, legacy no-op keys dropped (with a warning)."""
+    out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in source.items():
         name = ALIASES.get(key, key)
         if name in LEGACY_NO_OP_KEYS:
-            warnings.warn(f"smp config: '{key}' configured SMP v1's plumbing and has no effect", stacklevel=3)
+            _warn_no_op(name)
             continue
         if name not in _FIELDS:
             raise ValueError(_unknown_key_message(key))
-        if name in values and values[name] != value:
+        if value is None and name in NULL_MEANS_DEFAULT:
+            continue
+        if name in out and out[name] != value:
+            first = given_as[name]
             raise ValueError(
-                f"smp config: 'partitions' ({merged.get('partitions')!r}) and "
-                f"'pipeline_parallel_degree' ({merged.get('pipeline_parallel_degree')!r}) disagree; "
+                f"smp config: '{first}' ({out[name]!r}) and '{key}' ({value!r}) disagree in {where}; "
                 "set only one of them"
             )
-        values[name] = _check_value(name, value)
-    return _check_combination(Config(**values))
+        out[name], given_as[name] = value, key
+    return out
+
+
+def _warn_no_op(key: str) -> None:
+    # One warning per key (Python shows a given warning once per call site).
+    warnings.warn(f"smp config: '{key}' {LEGACY_NO_OP_KEYS[key]}; accepted, with no effect", stacklevel=4)
 
 
 def _unknown_key_message(key: str) -> str:

@@ -25,7 +25,14 @@ class DistributedModel(nn.Module):
     Accepted for SMP scripts, without effect: trace_device (the capture runs where the
     first microbatch's tensors are), trace_memory_usage, overlapping_allreduce (buckets
     always start during backward), find_unused_parameters (unused parameters are always
-    handled), gradient_as_bucket_view. backward_passes_per_step must be 1.
+    handled), gradient_as_bucket_view. backward_passes_per_step=N accumulates gradients over N
+    steps (transformers passes its gradient_accumulation_steps): the steps between two optimizer
+    steps add to the gradients without averaging them across ranks, and the N-th averages the sum
+    (call optimizer.step() and zero_grad() every N steps; scale the loss by 1/N as for any
+    accumulation).
+
+    `model.module` is the module itself (SMP's `model.module.module` is not given: adding a
+    `module` attribute to the user's module would register it as a submodule of itself).
     """
 
     def __init__(
@@ -50,10 +57,15 @@ class DistributedModel(nn.Module):
                 "smp: a DistributedModel already exists in this process; SMP allows one per script: "
                 "wrap the whole model once (put several networks in one nn.Module)"
             )
-        if backward_passes_per_step != 1:
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
             raise ValueError(
-                f"smp.DistributedModel: backward_passes_per_step={backward_passes_per_step} is not "
-                "supported; use 1 and raise `microbatches` to accumulate gradients over more samples per step"
+                f"smp.DistributedModel: backward_passes_per_step must be a positive integer, got "
+                f"{backward_passes_per_step!r}"
+            )
+        if backward_passes_per_step < 1:
+            raise ValueError(
+                f"smp.DistributedModel: backward_passes_per_step={backward_passes_per_step} must be >= 1 "
+                "(the number of steps whose gradients one optimizer step applies)"
             )
         super().__init__()
         self.module = module
@@ -65,6 +77,7 @@ class DistributedModel(nn.Module):
             average_grads_across_microbatches=average_grads_across_microbatches,
             bucket_cap_mb=bucket_cap_mb,
             broadcast_buffers=broadcast_buffers,
+            backward_passes_per_step=backward_passes_per_step,
         )
         st.model = self
 
@@ -124,6 +137,16 @@ class DistributedModel(nn.Module):
         optimizer is the DistributedOptimizer over this model, or None."""
         self.engine.register_post_partition_hook(lambda optimizer: hook(self, optimizer))
 
+    def register_post_step_hook(self, hook) -> None:
+        """hook(model, optimizer) runs once, after the next @smp.step call has finished (its
+        gradients averaged), before the script's optimizer.step(). transformers loads its
+        optimizer state this way when resuming."""
+        self.engine.register_post_step_hook(lambda optimizer: hook(self, optimizer))
+
+    def get_module(self) -> nn.Module:
+        """The wrapped module (after partitioning, holding this rank's part)."""
+        return self.module
+
     # --- this rank's part ----------------------------------------------------
 
     def local_parameters(self):
@@ -140,15 +163,23 @@ class DistributedModel(nn.Module):
 
     def local_modules(self):
         """Modules holding a parameter or buffer on this rank."""
+        return [m for _, m in self.local_named_modules()]
+
+    def local_named_modules(self):
+        """(name, module) of the modules holding a parameter or buffer on this rank."""
         return [
-            m
-            for m in self.module.modules()
+            (name, m)
+            for name, m in self.module.named_modules()
             if next(m.parameters(recurse=False), None) is not None
             or next(m.buffers(recurse=False), None) is not None
         ]
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.module.state_dict()
+        """This rank's part, marked partial (in the dict's torch metadata, which torch.save keeps), so
+        that load_state_dict called before the first step knows to wait for partitioning."""
+        state = self.module.state_dict()
+        state._metadata.setdefault("", {})[_PARTIAL] = True
+        return state
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The full model's state_dict (original keys, full shapes). With pipeline stages or
@@ -159,8 +190,18 @@ class DistributedModel(nn.Module):
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full (unsharded) state_dict; after partitioning each rank takes the entries of its
-        stage, cut to its tensor-parallel shard."""
+        """Loads a full (unsharded) state_dict: after partitioning each rank takes the entries of its
+        stage, cut to its tensor-parallel shard. A partial one (from local_state_dict(), or marked
+        `_smp_is_partial: True` as SMP did) is this rank's part: before partitioning its loading is
+        deferred until the model is partitioned, as in SMP."""
+        state_dict, partial = _split_partial_mark(state_dict)
+        if partial:
+            if self.engine.captures and not self.partitioned:
+                self.engine.register_post_partition_hook(
+                    lambda optimizer: self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+                )
+                return None
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         if not self.partitioned or not self.engine.captures:
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine.load_state_dict(state_dict, strict)
@@ -221,6 +262,19 @@ class DistributedModel(nn.Module):
 
     def saved_activation_bytes(self) -> dict[str, int]:
         return self.engine.saved_activation_bytes()
+
+
+_PARTIAL = "smp_partial"  # metadata mark of a local_state_dict()
+_SMP_PARTIAL_KEY = "_smp_is_partial"  # SMP v1's key (transformers sets it to False on full dicts)
+
+
+def _split_partial_mark(state_dict):
+    """(the state without SMP's marker key, whether it is one rank's part)."""
+    partial = bool(getattr(state_dict, "_metadata", {}).get("", {}).get(_PARTIAL, False))
+    if _SMP_PARTIAL_KEY in state_dict:
+        state_dict = state_dict.copy()  # (an OrderedDict's copy keeps _metadata)
+        partial = bool(state_dict.pop(_SMP_PARTIAL_KEY))
+    return state_dict, partial
 
 
 def current() -> DistributedModel | None:

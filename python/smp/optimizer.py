@@ -6,9 +6,11 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smp import model as model_lib
+from smp import parallel_state
 from smp import params as param_facts
 from smp.optim import grad_norm
 from smp.optim.flat_state import FlatState
@@ -16,9 +18,10 @@ from smp.optim.loss_scale import LossScaler, any_rank
 
 _BUILT_BEFORE_WRAP = (
     "smp: this optimizer was built from the module's parameters before smp.DistributedModel wrapped it, "
-    "so it holds parameters the model no longer trains. Build it afterwards:\n"
+    "and is not wrapped in smp.DistributedOptimizer, so it holds parameters the model no longer trains. "
+    "Wrap it (smp.DistributedOptimizer follows its parameters and state to the ones the model trains):\n"
     "    model = smp.DistributedModel(MyModel())\n"
-    "    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters()))"
+    "    optimizer = smp.DistributedOptimizer(optimizer)"
 )
 
 
@@ -30,10 +33,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     each reduced-data-parallel rank also keeps the optimizer state of only a 1/rdp chunk
     of them (ZeRO-1, see smp.optim.flat_state); with `bf16`/`fp16` it keeps fp32 master
     weights. fp16 training scales the loss: `static_loss_scale`, or `dynamic_loss_scale`
-    with SMP's `dynamic_loss_args` (init_scale 2**32, scale_factor 2, scale_window 1000,
-    min_scale 1, delayed_shift 1, consecutive_hysteresis False); a step in which any rank
-    saw an inf or nan is skipped on every rank. It is a torch Optimizer (LR schedulers
-    accept it) whose param_groups and state are the wrapped optimizer's.
+    with SMP's `dynamic_loss_args` dict (init_scale 2**32, scale_factor 2, scale_window 1000,
+    min_scale 1, delayed_shift 1, consecutive_hysteresis False; its keys may also come as
+    keywords); a step in which any rank saw an inf or nan is skipped on every rank, and
+    `overflow` tells whether the last step was. As in SMP, the loss-scaling arguments apply
+    only when the config has `fp16` (scripts pass them in bf16 and fp32 runs too: there they
+    are checked and have no effect), and `static_loss_scale=None` means 1. It is a torch
+    Optimizer (LR schedulers accept it) whose param_groups and state are the wrapped optimizer's.
     """
 
     # Optimizer.__init__ is not called: all state lives in the wrapped optimizer.
@@ -41,9 +47,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        static_loss_scale: float = 1.0,
+        static_loss_scale: float | None = 1.0,
         dynamic_loss_scale: bool = False,
-        **dynamic_loss_args,
+        dynamic_loss_args: dict | None = None,
+        **dynamic_loss_kwargs,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -56,10 +63,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "model.parameters()"
             )
         owned = {id(p) for p in model.module.parameters()}
+        _follow_moves(optimizer, model.engine.local_part)  # e.g. built before wrapping, as in SMP's MNIST
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if param_facts.is_replaced(p):
-                    raise ValueError(_BUILT_BEFORE_WRAP)
                 if id(p) not in owned and not param_facts.left_this_rank(p):
                     raise ValueError(
                         "smp.DistributedOptimizer: the optimizer holds a parameter of shape "
@@ -71,13 +77,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._engine = model.engine
         self._localized = False
         self._flat: FlatState | None = None
-        self._scaler = LossScaler(static_loss_scale, dynamic_loss_scale, **dynamic_loss_args)
-        self._overflow = False
+        self._scaler = _loss_scaler(
+            model.engine.config.fp16,
+            static_loss_scale,
+            dynamic_loss_scale,
+            dynamic_loss_args,
+            dynamic_loss_kwargs,
+        )
+        self._overflow = False  # the coming step must be skipped
+        self._skipped = False  # the last step was skipped
         self._engine.attach_optimizer(self)
 
     @property
     def loss_scale(self) -> float:
         return self._scaler.scale
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step() was skipped because some rank's gradients had an inf or nan
+        (SMP v1's attribute; scripts skip their LR scheduler's step on it)."""
+        return self._skipped
 
     @property
     def flat_state(self) -> FlatState | None:
@@ -92,6 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         self._localize()
+        self._skipped = self._overflow
         if self._overflow:  # every rank agrees: skip, and lower the scale
             self._overflow = False
             self._scaler.update(True)
@@ -125,6 +145,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return grad_norm.clip_whole(self._params(), counts, max_norm, first_replica)
 
     def state_dict(self):
+        """The whole model's optimizer state, as SMP's: with pipeline stages or tensor parallelism,
+        every model-parallel rank's rank_state_dict(), gathered over the model-parallel group (a
+        collective: call it on every rank, or on every rank with rdp_rank() == 0); load_state_dict
+        then takes this rank's part, on the same layout. Without them, rank_state_dict()."""
+        state = self.rank_state_dict()
+        groups = self._engine.groups
+        if not self._engine.captures or not self._engine.partitioned:
+            return state
+        parts: list = [None] * parallel_state.mp_size()
+        dist.all_gather_object(parts, state, group=parallel_state.get_mp_process_group())
+        return {_MP_STATES: parts, _MP_LAYOUT: (groups.pp_size, groups.tp_size)}
+
+    def rank_state_dict(self):
         """The optimizer state of this rank's parameters, per parameter and whole (with
         shard_optimizer_state, gathered from the reduced-data-parallel group: a collective)."""
         self._localize()
@@ -132,8 +165,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state = self._flat.full_state(inner) if self._flat is not None else inner
         return state | self._scaler_state()
 
-    def local_state_dict(self):
-        """This rank's own part: with shard_optimizer_state, the state of its chunk only."""
+    def local_state_dict(self, gather_if_shard: bool = True):
+        """This rank's own part: with shard_optimizer_state, the state of its chunk only.
+        gather_if_shard (what transformers passes) is accepted: a rank's chunk is never gathered here."""
         self._localize()
         state = self.optimizer.state_dict()
         if self._flat is not None:
@@ -141,9 +175,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return state | self._scaler_state()
 
     def load_state_dict(self, state_dict) -> None:
-        """Accepts what state_dict() or local_state_dict() returned."""
+        """Accepts what state_dict() or local_state_dict() returned. Before the model is partitioned
+        (pipeline or tensor parallelism, before the first step) loading waits for partitioning, as
+        in SMP: the state belongs to the parameters this rank will keep."""
+        if not self._engine.partitioned:
+            self._engine.register_post_partition_hook(lambda optimizer: self.load_state_dict(state_dict))
+            return
         self._localize()
         state = dict(state_dict)
+        if _MP_STATES in state:  # the whole model's, from state_dict(): this rank's part
+            groups = self._engine.groups
+            layout = (groups.pp_size, groups.tp_size)
+            if tuple(state[_MP_LAYOUT]) != layout or not self._engine.captures:
+                raise ValueError(
+                    f"smp: this optimizer state was gathered with (pipeline, tensor) parallel degrees "
+                    f"{tuple(state[_MP_LAYOUT])}, but this run has {layout}; load it on that layout"
+                )
+            state = dict(state[_MP_STATES][parallel_state.mp_rank()])
         if "smp_loss_scaler" in state:
             self._scaler.load_state_dict(state.pop("smp_loss_scaler"))
         shard = state.pop("smp_shard", None)
@@ -228,9 +276,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat master state when the config shards optimizer state or trains in bf16/fp16."""
         if self._localized or not self._engine.partitioned:
             return
+        _follow_moves(self.optimizer, self._engine.local_part)
         for group in self.optimizer.param_groups:
-            local = (param_facts.current(p) for p in group["params"])
-            group["params"] = list(dict.fromkeys(p for p in local if not param_facts.is_nonlocal(p)))
+            group["params"] = [p for p in group["params"] if not param_facts.is_nonlocal(p)]
         cfg, groups = self._engine.config, self._engine.groups
         if cfg.shard_optimizer_state or cfg.bf16 or cfg.fp16:
             for group in self.optimizer.param_groups:
@@ -246,6 +294,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._scaler.dynamic and self._scaler.scale == 1.0:
             return {}
         return {"smp_loss_scaler": self._scaler.state_dict()}
+
+
+_MP_STATES = "smp_model_parallel_states"  # state_dict(): each model-parallel rank's, by mp_rank
+_MP_LAYOUT = "smp_model_parallel_layout"
+
+
+def _follow_moves(optimizer: torch.optim.Optimizer, local_part) -> None:
+    """Points the optimizer's param groups at the Parameters the model trains now (a parameter
+    replaced at wrapping, its tensor-parallel shard, its materialized copy), and moves any state
+    with them; a per-element state tensor of the whole parameter is cut to the new one's part."""
+    for group in optimizer.param_groups:
+        group["params"] = list(dict.fromkeys(param_facts.current(p) for p in group["params"]))
+    for old in [p for p in optimizer.state if param_facts.is_moved(p)]:
+        new, state = param_facts.current(old), optimizer.state.pop(old)
+        if param_facts.is_nonlocal(new):
+            continue
+        optimizer.state[new] = {
+            k: local_part(new, v) if isinstance(v, torch.Tensor) and v.dim() and v.shape != new.shape else v
+            for k, v in state.items()
+        }
+
+
+def _loss_scaler(fp16: bool, static_scale, dynamic: bool, args: dict | None, kwargs: dict) -> LossScaler:
+    """SMP's loss scaling: the arguments are checked always, and used only in fp16 training."""
+    if args is not None and not isinstance(args, dict):
+        raise TypeError(
+            f"smp.DistributedOptimizer: dynamic_loss_args must be a dict such as "
+            f"{{'scale_window': 1000, 'min_scale': 1, 'delayed_shift': 2}}, got {type(args).__name__}"
+        )
+    both = sorted(set(args or {}) & set(kwargs))
+    if both:
+        raise TypeError(f"smp.DistributedOptimizer: {both} given both in dynamic_loss_args and as keywords")
+    scaler = LossScaler(1.0 if static_scale is None else static_scale, dynamic, **(args or {}), **kwargs)
+    return scaler if fp16 else LossScaler(1.0, False)
 
 
 _checked: weakref.WeakSet = weakref.WeakSet()  # optimizers found right once partitioned

@@ -15,10 +15,26 @@ from smp.pipeline.microbatch import Microbatch
 
 
 class StepOutput:
-    """One value returned by a step function, per microbatch."""
+    """One tensor returned by a step function, per microbatch (SMP v1's StepOutput).
+
+    `outputs` is the list; indexing, iteration and len() go through it, as in SMP.
+    """
 
     def __init__(self, outputs: list[Any]):
         self.outputs = list(outputs)
+
+    def __getitem__(self, index):
+        return self.outputs[index]
+
+    def __iter__(self):
+        return iter(self.outputs)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def detach(self) -> StepOutput:
+        """The same outputs detached (transformers' Trainer calls `.detach().concat()` on them)."""
+        return StepOutput([o.detach() if isinstance(o, torch.Tensor) else o for o in self.outputs])
 
     def reduce_mean(self):
         return self.reduce_sum() / len(self.outputs)
@@ -38,6 +54,15 @@ class StepOutput:
         return f"StepOutput({self.outputs!r})"
 
 
+class StepValues(list):
+    """A non-tensor value returned by a step function: a plain list, one entry per microbatch
+    (SMP v1 returned a list: `sum(losses)`), that also answers StepOutput's `.outputs`."""
+
+    @property
+    def outputs(self) -> list[Any]:
+        return list(self)
+
+
 def step(
     fn: Callable | None = None,
     *,
@@ -50,7 +75,9 @@ def step(
     Usable as `@smp.step` or `@smp.step(non_split_inputs=[...], input_split_axes={...})`.
     Tensor arguments (also inside lists, tuples and dicts) are split along axis 0, or the
     axis named in input_split_axes, into `microbatches` pieces; names in non_split_inputs
-    pass whole. Each returned value comes back as a StepOutput.
+    pass whole. Each returned tensor comes back as a StepOutput (containers are kept, with
+    a StepOutput per tensor in them); a value that is no tensor on any microbatch comes back
+    as a plain list, one entry per microbatch, as in SMP v1.
     """
     if fn is None:
         return functools.partial(
@@ -178,6 +205,8 @@ def _per_microbatch(results: list[Any], detach: bool) -> Any:
         return type(first)(_per_microbatch([r[i] for r in results], detach) for i in range(len(first)))
     if isinstance(first, dict):
         return {k: _per_microbatch([r[k] for r in results], detach) for k in first}
+    if not any(isinstance(r, torch.Tensor) for r in results):
+        return StepValues(results)  # SMP v1: non-tensor values (a loss's .item()) come back as a list
     if detach:
         results = [r.detach() if isinstance(r, torch.Tensor) else r for r in results]
     return StepOutput(results)

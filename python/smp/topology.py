@@ -32,9 +32,14 @@ class CommGroup(enum.Enum):
 
 
 class RankType(enum.Enum):
+    """The rank space a peer is named in (SMP v1 had all six; its docs list three)."""
+
     WORLD_RANK = CommGroup.WORLD
     MP_RANK = CommGroup.MP_GROUP
     DP_RANK = CommGroup.DP_GROUP
+    PP_RANK = CommGroup.PP_GROUP
+    TP_RANK = CommGroup.TP_GROUP
+    RDP_RANK = CommGroup.RDP_GROUP
 
 
 # The axes each group varies over; a group is all ranks agreeing on the other axes.

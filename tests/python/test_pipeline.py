@@ -235,13 +235,16 @@ def _errors(rank, world_size):
 
     net = torch.nn.Linear(4, 1)
     stale = torch.optim.SGD(net.parameters(), lr=0.1)
+    early = torch.optim.SGD(net.parameters(), lr=0.1)  # built before wrapping, then wrapped
     model = smp.DistributedModel(net)
     catch("outside", lambda: model(torch.zeros(2, 4)))
     catch("backward_outside", lambda: model.backward(torch.zeros(())))
-    catch("stale_wrap", lambda: smp.DistributedOptimizer(stale))
+    wrapped_early = smp.DistributedOptimizer(early)  # SMP's MNIST order: followed to the model's parameters
+    if [id(p) for p in wrapped_early.param_groups[0]["params"]] == [id(p) for p in model.parameters()]:
+        messages["stale_wrap"] = "remapped to the model's parameters"
     catch("second_model", lambda: smp.DistributedModel(torch.nn.Linear(1, 1)))
     smp.parallel_state.state().model = None
-    catch("passes_per_step", lambda: smp.DistributedModel(torch.nn.Linear(1, 1), backward_passes_per_step=2))
+    catch("passes_per_step", lambda: smp.DistributedModel(torch.nn.Linear(1, 1), backward_passes_per_step=0))
     smp.parallel_state.state().model = model
 
     @smp.step
@@ -289,10 +292,11 @@ def test_error_messages():
     assert lr == pytest.approx(0.05) and moved > 0
     assert "inside a function decorated with @smp.step" in messages["outside"]
     assert "model.backward(loss) can only be called inside" in messages["backward_outside"]
-    assert "before smp.DistributedModel wrapped it" in messages["stale_wrap"]
-    assert "model = smp.DistributedModel(MyModel())" in messages["stale_wrap"]
+    # An optimizer built before wrapping is remapped when wrapped (issue 14, item 7; was an error).
+    assert messages["stale_wrap"] == "remapped to the model's parameters"
     assert "a DistributedModel already exists" in messages["second_model"]
-    assert "backward_passes_per_step=2 is not supported" in messages["passes_per_step"]
+    # backward_passes_per_step=N accumulates gradients now (issue 14, item 5; N=2 was an error).
+    assert "backward_passes_per_step=0 must be >= 1" in messages["passes_per_step"]
     assert "batch size 3" in messages["indivisible"] and "2 microbatches" in messages["indivisible"]
     assert "drop_last=True" in messages["indivisible"]
     assert "0-dim" in messages["zero_dim"] and "non_split_inputs" in messages["zero_dim"]

@@ -56,6 +56,7 @@ class GradSync:
         self._rebucket()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         self._expected = 0
+        self._sync = True
         self._counts: dict[int, int] = {}
         self._pending: list[int] = []
         self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
@@ -70,11 +71,15 @@ class GradSync:
             self._flat_grads.append((grads, params, offsets))
             self._buckets_stale = True
 
-    def start_step(self, expected_backwards: int) -> None:
+    def start_step(self, expected_backwards: int, new_window: bool = True, sync: bool = True) -> None:
+        """Gradient accumulation over several steps (backward_passes_per_step): a step that does not
+        start a window keeps adding to the gradients so far; only a `sync` step (the window's last)
+        averages them, so tied parameters' sums and replicas' averages count each pass once."""
         if self._buckets_stale:  # between steps: no bucket is in flight
             self._rebucket()
         self._expected = expected_backwards
-        if self._fp32:
+        self._sync = sync
+        if self._fp32 and new_window:
             for p in self._params:
                 param_facts.set_grad32(p, None)
         self._counts = {}
@@ -82,8 +87,8 @@ class GradSync:
         self._launched = []
 
     def finish_step(self) -> None:
-        if not self._counts:
-            return  # no gradient was accumulated: a forward-only step
+        if not self._counts or not self._sync:
+            return  # a forward-only step, or one that only accumulates
         while len(self._launched) < len(self._buckets):
             self._launch(len(self._launched))
         for bucket, flat, work in self._launched:
@@ -123,7 +128,7 @@ class GradSync:
             p.grad = None
         key = id(p)
         self._counts[key] = self._counts.get(key, 0) + 1
-        if self._counts[key] != self._expected or key not in self._bucket_of:
+        if not self._sync or self._counts[key] != self._expected or key not in self._bucket_of:
             return
         index = self._bucket_of[key]
         self._pending[index] += 1

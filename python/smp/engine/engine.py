@@ -45,6 +45,7 @@ class Engine:
         average_grads_across_microbatches: bool,
         bucket_cap_mb: float,
         broadcast_buffers: bool,
+        backward_passes_per_step: int = 1,
     ):
         self.module = module
         self.config = config
@@ -69,6 +70,11 @@ class Engine:
         self._track_activations = False
         self._failed_step: str | None = None
         self._backward_ran = False
+        self._tracing = False
+        # Gradient accumulation: steps with a backward per optimizer step, and those done so far.
+        self._passes_per_step = backward_passes_per_step
+        self._passes_done = 0
+        self._post_step_hooks: list[Callable] = []
         if not self.captures:
             self._install(place_whole(module, config, groups))
 
@@ -82,6 +88,11 @@ class Engine:
     @property
     def partitioned(self) -> bool:
         return self.parallelized is not None
+
+    @property
+    def tracing(self) -> bool:
+        """Whether the module is being captured now (its forward runs on fake tensors)."""
+        return self._tracing
 
     @property
     def shard_specs(self) -> Mapping[int, passes.ShardSpec]:
@@ -107,7 +118,7 @@ class Engine:
                 "another step: restart the job (from a checkpoint)"
             )
         if self._grad_sync is not None:
-            self._grad_sync.start_step(self.config.microbatches)
+            self._start_grad_sync()
         self._backward_ran = False
         if self._broadcast_buffers and self.partitioned:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
@@ -119,8 +130,24 @@ class Engine:
         if self._grad_sync is not None:
             self._grad_sync.finish_step()
         if self._backward_ran:
-            for consumer in self._consumers:
-                consumer.gradients_ready()
+            self._passes_done = (self._passes_done + 1) % self._passes_per_step
+            if self._passes_done == 0:  # the accumulation window is complete
+                for consumer in self._consumers:
+                    consumer.gradients_ready()
+        hooks, self._post_step_hooks = self._post_step_hooks, []
+        for hook in hooks:
+            hook(self.optimizer)
+
+    def _start_grad_sync(self) -> None:
+        self._grad_sync.start_step(
+            self.config.microbatches,
+            new_window=self._passes_done == 0,
+            sync=self._passes_done + 1 == self._passes_per_step,
+        )
+
+    def register_post_step_hook(self, hook: Callable) -> None:
+        """hook(optimizer) runs once, when the next step has finished (its gradients averaged)."""
+        self._post_step_hooks.append(hook)
 
     def abandon_step(self, error: BaseException) -> None:
         """A step failed part-way: with pipeline stages, its messages may still be in flight."""
@@ -171,12 +198,15 @@ class Engine:
     # --- parallelization -----------------------------------------------------------------
 
     def _partition(self, args: tuple, kwargs: dict, batch_size: int | None) -> None:
-        self._install(
-            parallelize(
+        self._tracing = True
+        try:
+            parallelized = parallelize(
                 self.module, args, kwargs, self.config, self.groups, batch_size, self._trace_execution_times
             )
-        )
-        self._grad_sync.start_step(self.config.microbatches)  # this step is under way
+        finally:
+            self._tracing = False
+        self._install(parallelized)
+        self._start_grad_sync()  # this step is under way
         self._meter = SavedActivationMeter(self.module.parameters())
         self.track_saved_activations(self._track_activations)
         if self.config.debug and self.groups.rank == 0:
@@ -271,8 +301,9 @@ def _cast_floating(tree, dtype: torch.dtype):
 
 
 def _refresh_parameters(module: nn.Module) -> None:
-    """Gives the module new Parameter objects (same storage): an optimizer built from the module
-    before it was wrapped still holds the old ones, which is how that mistake is caught."""
+    """Gives the module new Parameter objects (same storage). An optimizer built from the module
+    before it was wrapped still holds the old ones: smp.DistributedOptimizer follows them to the
+    new ones (marked moved), and an optimizer left unwrapped is caught at its first step."""
     fresh: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in list(m._parameters.items()):
@@ -281,4 +312,5 @@ def _refresh_parameters(module: nn.Module) -> None:
             if id(p) not in fresh:
                 fresh[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
                 param_facts.mark_replaced(p)
+                param_facts.mark_moved(p, fresh[id(p)])
             m._parameters[name] = fresh[id(p)]

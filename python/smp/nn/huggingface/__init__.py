@@ -1,0 +1,53 @@
+"""SMP v1's Hugging Face translate functions: `smp.nn.huggingface.<model>.translate_*`.
+
+SMP v1 replaced Hugging Face layers by its own distributed transformer classes, whose
+state_dict keys differed, and shipped functions that renamed keys both ways. smp shards
+the model's own layers and keeps the module's keys, so every translate function returns
+the state_dict it is given (`max_seq_len` and other SMP arguments are accepted). The
+submodules gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the names
+SMP's did, so `from smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2`
+(and the same under `smdistributed.modelparallel.torch`) works unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+MODELS = ("gpt2", "gptj", "gptneo", "gptneox", "bert", "roberta", "t5", "vit")
+
+
+def identity_translation(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Returns `state_dict`: smp's state_dicts already use the Hugging Face module's keys."""
+    return state_dict
+
+
+def _translate_names(model: str) -> list[str]:
+    names = [
+        f"translate_state_dict_to_hf_{model}",
+        f"translate_hf_state_dict_to_smdistributed_{model}",
+        f"translate_hf_{model}_state_dict_to_smdistributed",  # the older GPT-J spelling
+    ]
+    if model == "gpt2":  # per-layer variants
+        names += [
+            "translate_state_dict_to_hf_gpt2_layer",
+            "translate_hf_state_dict_to_smdistributed_gpt2_layer",
+        ]
+    return names
+
+
+def _submodule(model: str) -> types.ModuleType:
+    module = types.ModuleType(
+        f"{__name__}.{model}", f"SMP v1's {model} translate functions (identities in smp)."
+    )
+    for name in _translate_names(model):
+        setattr(module, name, identity_translation)
+    module.__all__ = _translate_names(model)
+    return module
+
+
+for _model in MODELS:
+    globals()[_model] = sys.modules[f"{__name__}.{_model}"] = _submodule(_model)
+
+__all__ = ["MODELS", "identity_translation", *MODELS]
