@@ -8,17 +8,20 @@
 
     tensor_parallel(captured.graph_module, tp_group, marked_module_paths)
                                                    # before split: marked layers sharded over tp_group
+    regions.outline_regions(pipe.stages[0].module, [Region("layers.0", frozenset({"layers.0"}))], wrap)
+                                                   # after split: a module's nodes become one call
 
 Running `pipe.stages` in order, feeding each the values it receives, computes the
 model's forward; smp.DistributedModel does that across processes.
 
 Modules: capture.py (torch.export), cost.py (FLOPs, bytes, measured times), partition.py
-(pipeline stages), split.py (one GraphModule per stage), fx_utils.py (helpers they share), and
+(pipeline stages), split.py (one GraphModule per stage), outline.py and regions.py (module
+regions moved into submodules: activation checkpointing), fx_utils.py (helpers they share), and
 the tensor_parallel/ package (the rewrite driver, its layout algebra, and a registry of rules,
 one per op, in rules/ by op family). This folder is installed as smp.passes (setup.py maps it).
 """
 
-from . import cost
+from . import cost, outline, regions
 from .capture import CapturedGraph, CaptureError, capture
 from .partition import (
     PartitionError,
@@ -46,6 +49,8 @@ __all__ = [
     "auto_partition",
     "capture",
     "cost",
+    "outline",
+    "regions",
     "follow_partition",
     "manual_partition",
     "plan_from_assignment",

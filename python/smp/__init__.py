@@ -24,7 +24,7 @@ from smp.compat import is_tracing, model_creation, state
 from smp.config import Config
 from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
 from smp.engine.delayed_init import delay_param_initialization
-from smp.model import DistributedModel
+from smp.model import DistributedModel, set_activation_checkpointing
 from smp.optimizer import DistributedOptimizer
 from smp.parallel_state import (
     dp_rank,
@@ -149,6 +149,7 @@ __all__ = [
     "recv_from",
     "sampler",
     "send",
+    "set_activation_checkpointing",
     "set_partition",
     "set_seed",
     "size",

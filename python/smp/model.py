@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp import parallel_state
+from smp import parallel_state, recompute
 from smp.engine import Engine
 from smp.optim import grad_norm
 from smp.pipeline import microbatch
@@ -275,6 +275,34 @@ def _split_partial_mark(state_dict):
         state_dict = state_dict.copy()  # (an OrderedDict's copy keeps _metadata)
         partial = bool(state_dict.pop(_SMP_PARTIAL_KEY))
     return state_dict, partial
+
+
+def set_activation_checkpointing(
+    module: nn.Module,
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+    strategy: str = "each",
+) -> None:
+    """SMP v1's activation checkpointing: `module`'s forward keeps only its inputs and is recomputed
+    in backward. Call it after smp.DistributedModel(...) and before the first step, on modules of
+    the wrapped model (`model.get_module().layers`).
+
+    On an nn.Sequential or nn.ModuleList, `strategy` groups its layers: "each" (a region per
+    layer), "group_N" (N consecutive layers per region) or "contiguous" (each pipeline stage's run
+    of layers as one region). A region never crosses a pipeline stage: it is split at the boundary
+    (`debug` says so). `preserve_rng_state` makes dropout draw the same mask in the recompute.
+    `pack_args_as_tuple` is accepted for SMP scripts: smp recomputes the captured graph's ops, so how
+    the module's arguments are packed does not matter.
+    """
+    model = current()
+    if model is None:
+        raise ValueError(
+            "smp.set_activation_checkpointing: no smp.DistributedModel exists yet; call smp.init(...), "
+            "wrap the model with smp.DistributedModel(model), then checkpoint modules of "
+            "model.get_module()"
+        )
+    req = recompute.request(model.module, module, preserve_rng_state, pack_args_as_tuple, strategy)
+    model.engine.set_activation_checkpointing(req)
 
 
 def current() -> DistributedModel | None:

@@ -134,16 +134,18 @@ def reference(case: str, steps: int, global_batch: int, options=None):
 def train_smp(rank, world_size, case, configs, steps, global_batch, options=None):
     """Trains the case with smp under each config in turn (one smp.init each) on this rank.
 
-    Returns, per config, the losses' and final parameters' errors against one process
-    training the unsplit model on the same global batch.
+    A config may come as (config, options) to add options for that run only. Returns, per
+    config, the losses' and final parameters' errors against one process training the unsplit
+    model on the same global batch.
     """
     import smp
 
     ref = reference(case, steps, global_batch, options)
     results = []
     for config in [configs] if isinstance(configs, dict) else configs:
+        config, extra = config if isinstance(config, tuple) else (config, {})
         smp.init(config)
-        results.append(_train_once(smp, case, steps, global_batch, options or {}, ref))
+        results.append(_train_once(smp, case, steps, global_batch, (options or {}) | extra, ref))
         smp.parallel_state.reset()
     return results[0] if isinstance(configs, dict) else results
 
@@ -156,7 +158,11 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         model, batch, forward, loss_fn = CASES[case]()
     for module_path, part in options.get("manual", {}).items():
         smp.set_partition(model.get_submodule(module_path), part)
+    if options.get("hf_gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
     dmodel = smp.DistributedModel(model, **options.get("model_kwargs", {}))
+    for module_path, strategy in options.get("checkpoint", {}).items():
+        smp.set_activation_checkpointing(dmodel.get_module().get_submodule(module_path), strategy=strategy)
     if options.get("track_activations"):
         dmodel.track_saved_activations()
     inner, scheduler = make_optimizer(options.get("optimizer", "adam"), dmodel.module.named_parameters())

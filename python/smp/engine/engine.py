@@ -12,6 +12,8 @@ ask the engine what they need through its public methods.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import hf, passes
+from smp import hf, passes, recompute
 from smp import params as param_facts
 from smp.config import Config
 from smp.data_parallel import replicas
@@ -75,8 +77,18 @@ class Engine:
         self._passes_per_step = backward_passes_per_step
         self._passes_done = 0
         self._post_step_hooks: list[Callable] = []
+        # Activation checkpointing: the requests, in order, and whether a step has started.
+        self._checkpointing: list[recompute.CheckpointRequest] = []
+        self._stepped = False
+        self._offloader = (
+            recompute.ActivationOffloader(config.activation_loading_horizon, module.parameters)
+            if config.offload_activations and torch.cuda.is_available()
+            else None
+        )
         if not self.captures:
             self._install(place_whole(module, config, groups))
+        for layer in recompute.hf_flags.take(module):
+            self.set_activation_checkpointing(recompute.request(module, layer, True, False, "each"))
 
     # --- what the model is -----------------------------------------------------------
 
@@ -117,6 +129,9 @@ class Engine:
                 "its activations may still be in flight between stages, so this pipeline cannot run "
                 "another step: restart the job (from a checkpoint)"
             )
+        if not self._stepped:
+            self._stepped = True
+            self._check_offloading()
         if self._grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
@@ -127,6 +142,8 @@ class Engine:
     def finish_step(self) -> None:
         for runtime in self.parallelized.runtimes.values() if self.parallelized else ():
             runtime.finish_step()
+        if self._offloader is not None:
+            self._offloader.finish_step()
         if self._grad_sync is not None:
             self._grad_sync.finish_step()
         if self._backward_ran:
@@ -160,7 +177,8 @@ class Engine:
         if self.dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.dtype)
         if not self.captures:
-            return self.module(*args, **kwargs)
+            with self._saving_for(mb):
+                return self.module(*args, **kwargs)
         kwargs = self._call_defaults | kwargs
         if self.groups.tp_size > 1:
             args, kwargs = tp_inputs.combine(
@@ -169,7 +187,8 @@ class Engine:
         if not self.partitioned:
             self._partition(args, kwargs, mb.batch_size)
         mb.runtime = self._runtime()
-        pending = mb.runtime.forward(mb.index, args, kwargs)
+        with self._saving_for(mb):
+            pending = mb.runtime.forward(mb.index, args, kwargs)
         mb.pause()
         return pending.wait()
 
@@ -188,6 +207,8 @@ class Engine:
                     )
                 g = torch.ones_like(t)
             grads.append(g * scale if scale != 1.0 else g)
+        if self._offloader is not None:
+            self._offloader.before_backward(mb.index)
         if self.captures:
             mb.runtime.backward(mb.index, tensors, grads)
             return
@@ -201,7 +222,15 @@ class Engine:
         self._tracing = True
         try:
             parallelized = parallelize(
-                self.module, args, kwargs, self.config, self.groups, batch_size, self._trace_execution_times
+                self.module,
+                args,
+                kwargs,
+                self.config,
+                self.groups,
+                batch_size,
+                self._trace_execution_times,
+                recompute.regions(self._checkpointing),
+                self._offloader,
             )
         finally:
             self._tracing = False
@@ -211,6 +240,12 @@ class Engine:
         self.track_saved_activations(self._track_activations)
         if self.config.debug and self.groups.rank == 0:
             print(self.parallelized.plan.report(), flush=True)
+        if (
+            self.config.debug
+            and parallelized.recompute_report
+            and self.groups.tp_rank == self.groups.rdp_rank == 0
+        ):
+            print(parallelized.recompute_report, flush=True)
         self._run_post_partition_hooks()
 
     def _install(self, parallelized: Parallelized) -> None:
@@ -233,6 +268,42 @@ class Engine:
                 "is neither. Set the modes before the first step, or use model.train() / model.eval()"
             )
         return self.parallelized.runtimes[flags]
+
+    # --- activation checkpointing ----------------------------------------------------------
+
+    def set_activation_checkpointing(self, request: recompute.CheckpointRequest) -> None:
+        """Recomputes the request's regions in backward (before the first step only)."""
+        if self._stepped:
+            raise ValueError(
+                f"smp.set_activation_checkpointing({request.paths[0] or 'the whole model'}): called after "
+                "the first step, when the model is already partitioned and running; call it after "
+                "smp.DistributedModel(...) and before the first @smp.step call"
+            )
+        self._checkpointing.append(request)
+        if not self.captures:  # the module runs whole: its forwards are wrapped now
+            recompute.apply_eager(request, self._offloader)
+
+    def _saving_for(self, mb: Microbatch):
+        """Around a microbatch's forward: checkpointed regions offload their inputs for it."""
+        if self._offloader is None:
+            return contextlib.nullcontext()
+        return self._offloader.forward_of(mb.index)
+
+    def _check_offloading(self) -> None:
+        if not self.config.offload_activations:
+            return
+        if not self._checkpointing:
+            warnings.warn(
+                "smp: offload_activations is on but no module is checkpointed, so there is nothing to "
+                "offload; call smp.set_activation_checkpointing(module) before the first step",
+                stacklevel=3,
+            )
+        elif self._offloader is None:
+            warnings.warn(
+                "smp: offload_activations has no effect here: activations are CPU tensors, already in "
+                "host memory",
+                stacklevel=3,
+            )
 
     # --- for optimizers and checkpoints -------------------------------------------------
 

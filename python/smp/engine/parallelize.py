@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import passes
+from smp import passes, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.engine import delayed_init
 from smp.parallel_state import ParallelGroups
+from smp.passes.regions import Region
 from smp.pipeline import placement
 from smp.pipeline.partitioning import module_partitions
 from smp.pipeline.stage import StageRuntime
@@ -42,6 +43,8 @@ class Parallelized:
     grad_group: dist.ProcessGroup | None
     # The pipeline partition of the current mode (None when the module runs whole).
     plan: passes.PartitionPlan | None = None
+    # What activation checkpointing did on this rank's stage (for `debug`).
+    recompute_report: str = ""
 
 
 def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
@@ -64,6 +67,8 @@ def parallelize(
     groups: ParallelGroups,
     batch_size: int | None,
     trace_execution_times: bool = False,
+    checkpointing: Sequence[tuple[Region, bool]] = (),
+    offloader: recompute.ActivationOffloader | None = None,
 ) -> Parallelized:
     """Captures, partitions, shards and splits `module` for this rank, freeing what its stage does
     not use. `args`/`kwargs` are one microbatch's inputs (of the whole tensor-parallel group);
@@ -113,6 +118,9 @@ def parallelize(
         holders += [s.module for pipe in pipes.values() for s in pipe.stages if s.module is not None]
         for graph_module in holders:
             delayed_init.replace_in(graph_module, replaced)
+    report = _checkpoint_stages(
+        pipes, modes, list(checkpointing), offloader, groups.pp_rank, training_flags(module)
+    )
     shared = replicas.shared_groups(captured.graph_module, plans, groups)
     grad_group = replicas.synchronize(module, set(specs), shared, groups)
     runtimes = {
@@ -121,7 +129,32 @@ def parallelize(
         )
         for flags, pipe in pipes.items()
     }
-    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan)
+    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report)
+
+
+def _checkpoint_stages(pipes, modes, checkpointing, offloader, stage: int, current) -> str:
+    """Outlines the checkpointed regions on this rank's stage in every mode, and reports (for the
+    current mode) what it did: a region that spans stages is split at the boundary, each stage
+    recomputing its own part as one region."""
+    if not checkpointing:
+        return ""
+    lines = []
+    graph, plan = modes[current]
+    for region, _ in checkpointing:
+        nodes = passes.regions.region_nodes(graph.graph_module.graph, region)
+        stages = sorted({plan.node_stage[n.name] for n in nodes if n.name in plan.node_stage})
+        if len(stages) > 1:
+            lines.append(
+                f"smp checkpointing: region {region.label} spans stages {stages}: split at the boundary"
+            )
+    for flags, pipe in pipes.items():
+        module = pipe.stages[stage].module
+        labels = recompute.apply_to_stage(module, checkpointing, offloader) if module is not None else []
+        if flags == current:
+            lines.append(
+                f"smp checkpointing: stage {stage} recomputes {len(labels)} regions: {', '.join(labels)}"
+            )
+    return "\n".join(lines)
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
