@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -48,9 +49,10 @@ class _Offloaded:
 
 
 class ActivationOffloader:
-    def __init__(self, horizon: int, parameters):
+    def __init__(self, horizon: int, parameters: Callable[[], Iterable[torch.Tensor]]):
         self.horizon = horizon
-        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._parameters = parameters  # read at the first save: partitioning replaces parameters
+        self._param_storages: set[int] | None = None
         self._stream: torch.cuda.Stream | None = None
         self._microbatch: int | None = None
         self._held: dict[int, list[_Offloaded]] = collections.defaultdict(list)
@@ -84,6 +86,8 @@ class ActivationOffloader:
         self._held.clear()
 
     def _pack(self, tensor: torch.Tensor):
+        if self._param_storages is None:
+            self._param_storages = {p.untyped_storage().data_ptr() for p in self._parameters()}
         if not tensor.is_cuda or tensor.untyped_storage().data_ptr() in self._param_storages:
             return tensor
         if self._stream is None:
