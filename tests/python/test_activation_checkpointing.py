@@ -52,11 +52,11 @@ def test_parity_and_memory_every_strategy_and_layout():
 
 def _hf(rank, world_size):
     config = LAYOUTS["pp2_tp2"] | {"debug": True}
-    llama = pipeline_cases.train_smp(
-        rank, world_size, "hf_llama", (config, {"checkpoint": {"model.layers": "each"}}), 3, 8
+    (llama,) = pipeline_cases.train_smp(
+        rank, world_size, "hf_llama", [(config, {"checkpoint": {"model.layers": "each"}})], 3, 8
     )
-    gpt2 = pipeline_cases.train_smp(
-        rank, world_size, "hf_gpt2", (config, {"hf_gradient_checkpointing": True}), 3, 8
+    (gpt2,) = pipeline_cases.train_smp(
+        rank, world_size, "hf_gpt2", [(config, {"hf_gradient_checkpointing": True})], 3, 8
     )
     return {
         "llama": (llama["loss_err"], llama["param_err"]),
