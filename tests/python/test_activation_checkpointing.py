@@ -81,6 +81,44 @@ def test_hf_llama_and_gpt2_pp2_tp2_every_layer(capfd):
     assert out.count("recomputes 2 regions: transformer.h.2, transformer.h.3") == 1, out
 
 
+def _bf16_delayed(rank, world_size, strategy):
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "bf16": True})
+    torch.manual_seed(0)
+    with smp.delay_param_initialization():
+        model = pipeline_cases.models.GPT(layers=4)
+    dmodel = smp.DistributedModel(model)
+    if strategy is not None:
+        smp.set_activation_checkpointing(dmodel.get_module().blocks, strategy=strategy)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(dmodel(ids).float(), ids)
+        dmodel.backward(loss)
+        return loss
+
+    batch = pipeline_cases.CASES["counting"]()[1]
+    losses = []
+    for s in range(3):
+        opt.zero_grad()
+        losses.append(train_step(batch(s, 8)["ids"]).reduce_mean().item())
+        opt.step()
+    params = {n: p.float().flatten().tolist() for n, p in dmodel.local_named_parameters()}
+    smp.parallel_state.reset()
+    return losses, params
+
+
+def _bf16_delayed_pair(rank, world_size):
+    return _bf16_delayed(rank, world_size, None), _bf16_delayed(rank, world_size, "each")
+
+
+def test_bf16_and_delayed_initialization_train_as_without_checkpointing():
+    """The recompute runs the same bf16 ops on the same inputs: the same numbers, bit for bit."""
+    for plain, checkpointed in run_ranks(_bf16_delayed_pair, 2, timeout=300):
+        assert checkpointed[0] == plain[0]
+        assert checkpointed[1] == plain[1]
+
+
 # --- dropout: the recompute draws the same mask (whole-model path, pp = tp = 1) ---------------------
 
 
