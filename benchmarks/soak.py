@@ -125,7 +125,8 @@ def main() -> None:
         fds, _ = _growth(samples, args.warmup, "fds")
         print(
             f"{rank} | {first['rss_mib']:.1f} | {rss:+.2f} | {rss_slope:+.3f} | "
-            f"{first['threads']} -> {first['threads'] + threads:.0f} | {first['fds']} -> {first['fds'] + fds:.0f}"
+            f"{first['threads']} -> {first['threads'] + threads:.0f} | "
+            f"{first['fds']} -> {first['fds'] + fds:.0f}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from smp import parallel_state
+from smp import faults, parallel_state
 from smp.pipeline import schedule
 from smp.pipeline.microbatch import Microbatch
 
@@ -108,9 +108,11 @@ def step(
             st.config.pipeline, pp_rank, pp_size, m, st.config.num_active_microbatches
         )
         engine = st.model.engine if st.model is not None else None
-        if engine is not None:
-            engine.start_step()
+        _calls[0] += 1
+        action = None
         try:
+            if engine is not None:
+                engine.start_step()
             for action in actions:
                 mb = microbatches[action.microbatch]
                 mb.resume()
@@ -127,11 +129,39 @@ def step(
                 mb.abort()
             if engine is not None:
                 engine.abandon_step(error)
+            converted = _name_what_failed(error, action, pp_rank)
+            if converted is not None:
+                raise converted from error
             raise
         results = [mb.result for mb in microbatches]
         return _per_microbatch(results, detach_outputs)
 
     return run
+
+
+_calls = [0]  # smp.step calls in this process, to name the step that failed
+
+
+def _name_what_failed(error: BaseException, action, pp_rank: int) -> BaseException | None:
+    """Adds the step, stage and microbatch in flight to the error, and tells the other ranks (through
+    the store) that this rank failed: their waits then say "rank N failed". A transport error from
+    a collective inside the model (tensor parallelism's) becomes a CommunicationError to raise."""
+    if not isinstance(error, Exception):  # KeyboardInterrupt, a microbatch's Aborted
+        return None
+    converted = None
+    if faults.is_transport_error(error):
+        converted = error = faults.communication_error(
+            "a collective inside the model (tensor parallelism) or the pipeline",
+            "one of this rank's groups",
+            error,
+        )
+    where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {pp_rank}"
+    if action is not None:
+        phase = "forward" if action.kind == "F" else "backward"
+        where += f", microbatch {action.microbatch} ({phase})"
+    error.add_note(f"smp: while running {where}")
+    faults.report_failure(error)
+    return converted
 
 
 def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axes: dict[str, int]):
