@@ -225,6 +225,8 @@ def _check_value(name: str, value: Any) -> Any:
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"smp config: 'memory_weight' must be in [0, 1], got {value!r}")
         return float(value)
+    if name in ("placement_strategy", *_CHOICES) and not isinstance(value, str):
+        raise _type_error(name, value, "a string")  # (a list or dict is not even hashable)
     if name == "placement_strategy":
         if value not in PLACEMENT_ALIASES and value not in PLACEMENT_ORDERS:
             raise ValueError(
