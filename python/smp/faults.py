@@ -26,6 +26,7 @@ import torch.distributed as dist
 _FAILED_KEY = "smp/failed"
 _installed = False
 _rank: int | None = None
+_timeout_seconds: float | None = None
 _reported = threading.Event()
 
 
@@ -33,10 +34,10 @@ class CommunicationError(RuntimeError):
     """A wait on a peer failed: the peer died, failed, or did not answer within the group timeout."""
 
 
-def install(rank: int) -> None:
-    """Called by smp.init: remembers the rank and makes uncaught exceptions end the process."""
-    global _installed, _rank
-    _rank = rank
+def install(rank: int, timeout_seconds: float) -> None:
+    """Called by smp.init: remembers the rank and timeout, and makes uncaught exceptions end the process."""
+    global _installed, _rank, _timeout_seconds
+    _rank, _timeout_seconds = rank, timeout_seconds
     if _installed or hasattr(sys, "ps1") or sys.flags.interactive:
         return  # an interactive session survives its errors
     previous = sys.excepthook
@@ -86,8 +87,13 @@ def group_of(kind: str, group) -> str:
 
 def _message(operation: str, group: str, peer: int | None, error: BaseException) -> str:
     culprit = _reported_failure()
-    if culprit is None:
-        who = f"rank {peer}" if peer is not None else "a rank of that group"
+    who = f"rank {peer}" if peer is not None else "a rank of that group"
+    if culprit is None and "timed out" in str(error).lower():
+        culprit = (
+            f"{who} did not answer within the group timeout ({_timeout_seconds:g} s): it hangs, died "
+            "without closing its connections (a lost node), or is slower than the timeout allows"
+        )
+    elif culprit is None:
         culprit = f"{who} probably died (killed, out of memory or crashed): see its log"
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     peer_part = f" with rank {peer}" if peer is not None else ""

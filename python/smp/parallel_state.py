@@ -129,7 +129,7 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
             groups[kind] = _new_groups(topology, kind, rank, group_timeout)
     messaging = dist.new_group(list(range(world_size)), backend=BACKEND_NAME, timeout=group_timeout)
     _state = _State(cfg, topology, rank, local_rank, local_size, groups, messaging)
-    faults.install(rank)
+    faults.install(rank, group_timeout.total_seconds())
 
 
 def _with_timeout(cfg: config_lib.Config, timeout: Any) -> config_lib.Config:

@@ -40,7 +40,8 @@ def _die(trial: dict) -> None:
         raise UserBug(f"a bug in the user's step function at step {trial['step']}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    # "stop": a hung peer (its sockets stay open), which only the group timeout can bound.
+    os.kill(os.getpid(), signal.SIGSTOP if trial.get("action") == "stop" else signal.SIGKILL)
 
 
 def run_trial(rank: int, world: int, trial: dict) -> None:
@@ -112,22 +113,29 @@ def run_trial(rank: int, world: int, trial: dict) -> None:
         smp.barrier()
 
 
-def _wait_all(pids: list[int], deadline: float) -> list[tuple[int | None, float]]:
-    """Per child: (exit status, or None if it was still alive at the deadline and killed; time.time()
-    at its exit)."""
-    out: dict[int, tuple[int | None, float]] = {}
+def _wait_all(pids: list[int], deadline: float) -> list[tuple[int | str | None, float]]:
+    """Per child: (exit status; "stopped" for one that stopped itself, killed once the others are
+    done; None if it was still running at the deadline and killed) and time.time() at its exit
+    (or stop)."""
+    out: dict[int, tuple[int | str | None, float]] = {}
     while len(out) < len(pids):
         for pid in pids:
             if pid in out:
                 continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
+            done, status = os.waitpid(pid, os.WNOHANG | os.WUNTRACED)
+            if done and os.WIFSTOPPED(status):
+                out[pid] = ("stopped", time.time())
+            elif done:
                 out[pid] = (os.waitstatus_to_exitcode(status), time.time())
             elif time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 out[pid] = (None, time.time())
         time.sleep(0.01)  # polling children with a deadline
+    for pid, (code, _) in out.items():
+        if code == "stopped":
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     return [out[pid] for pid in pids]
 
 

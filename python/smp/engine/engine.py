@@ -27,6 +27,7 @@ from smp.data_parallel.grad_sync import GradSync
 from smp.engine import model_state
 from smp.engine.parallelize import Parallelized, parallelize, place_whole, training_flags
 from smp.engine.protocol import GradientConsumer
+from smp.finite_check import FiniteCheck
 from smp.parallel_state import ParallelGroups
 from smp.pipeline.activation_meter import SavedActivationMeter
 from smp.pipeline.microbatch import Microbatch
@@ -75,6 +76,10 @@ class Engine:
         self._passes_per_step = backward_passes_per_step
         self._passes_done = 0
         self._post_step_hooks: list[Callable] = []
+        self._steps = 0
+        # NaN/inf report (not in fp16, where they are the loss scaler's overflow signal).
+        checks = (config.check_finite or config.debug) and not config.fp16
+        self._finite = FiniteCheck(groups.pp_rank, groups.rank) if checks else None
         if not self.captures:
             self._install(place_whole(module, config, groups))
 
@@ -120,6 +125,9 @@ class Engine:
         if self._grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
+        self._steps += 1
+        if self._finite is not None:
+            self._finite.start_step()
         if self._broadcast_buffers and self.partitioned:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
             replicas.broadcast_over(list(self.module.buffers()), self.groups.dp, self.groups.dp_ranks)
@@ -129,6 +137,8 @@ class Engine:
             runtime.finish_step()
         if self._grad_sync is not None:
             self._grad_sync.finish_step()
+        if self._finite is not None:
+            self._check_finite()
         if self._backward_ran:
             self._passes_done = (self._passes_done + 1) % self._passes_per_step
             if self._passes_done == 0:  # the accumulation window is complete
@@ -144,6 +154,13 @@ class Engine:
             new_window=self._passes_done == 0,
             sync=self._passes_done + 1 == self._passes_per_step,
         )
+
+    def _check_finite(self) -> None:
+        if self._backward_ran:
+            named = self.module.named_parameters()
+            grads = [(n, param_facts.applied_grad(p)) for n, p in named if not param_facts.is_nonlocal(p)]
+            self._finite.gradients(grads)
+        self._finite.raise_if_any(self._steps, None)  # on every rank: none is left waiting
 
     def register_post_step_hook(self, hook: Callable) -> None:
         """hook(optimizer) runs once, when the next step has finished (its gradients averaged)."""
@@ -170,6 +187,8 @@ class Engine:
             self._partition(args, kwargs, mb.batch_size)
         mb.runtime = self._runtime()
         pending = mb.runtime.forward(mb.index, args, kwargs)
+        if self._finite is not None:
+            self._finite.activations(mb.index, mb.runtime.produced(mb.index))
         mb.pause()
         return pending.wait()
 
@@ -178,6 +197,8 @@ class Engine:
         if self._consumers:
             scale *= self._consumers[0].loss_scale  # fp16 loss scaling; the optimizer divides it out
         self._backward_ran = True
+        if self._finite is not None:
+            self._finite.loss(mb.index, tensors)
         grads = []
         for t, g in zip(tensors, grad_tensors, strict=True):
             if g is None:

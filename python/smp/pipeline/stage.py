@@ -175,6 +175,10 @@ class StageRuntime:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
 
+    def produced(self, k: int) -> dict[str, torch.Tensor]:
+        """The values this stage computed in microbatch k's forward (until its backward)."""
+        return self._in_flight[k].produced
+
     def finish_step(self) -> None:
         with faults.waiting(f"pipeline stage {self.index} completing its sends", self._group_name()):
             for work in self._sends:
