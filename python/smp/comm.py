@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp import parallel_state
+from smp import faults, parallel_state
 from smp.topology import CommGroup, RankType
 
 
@@ -53,16 +53,18 @@ def _global_rank(peer: int, rank_type: Any, role: str) -> int:
 def _send_bytes(payload: bytes, dst: int) -> None:
     group = parallel_state.state().messaging_group
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
-    dist.send(data, dst=dst, group=group)
+    with faults.waiting("smp.send of an object", faults.group_of("messaging", group), dst):
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
+        dist.send(data, dst=dst, group=group)
 
 
 def _recv_bytes(src: int) -> bytes:
     group = parallel_state.state().messaging_group
     length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src=src, group=group)
-    data = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.recv(data, src=src, group=group)
+    with faults.waiting("smp.recv_from of an object", faults.group_of("messaging", group), src):
+        dist.recv(length, src=src, group=group)
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.recv(data, src=src, group=group)
     return data.numpy().tobytes()
 
 
@@ -84,12 +86,15 @@ def broadcast(obj: Any, group: CommGroup) -> None:
 def allgather(obj: Any, group: CommGroup) -> list[Any]:
     pg = parallel_state.process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, obj, group=pg)
+    with faults.waiting("smp.allgather", faults.group_of(group.name, pg)):
+        dist.all_gather_object(out, obj, group=pg)
     return out
 
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
-    dist.barrier(group=parallel_state.process_group(group))
+    pg = parallel_state.process_group(group)
+    with faults.waiting("smp.barrier", faults.group_of(_check_group(group).name, pg)):
+        dist.barrier(group=pg)
 
 
 def dp_barrier() -> None:

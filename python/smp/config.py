@@ -85,8 +85,14 @@ class Config:
     # smp additions (not in SMP v1):
     # SMP's behaviour: every user of a shared parameter on one stage (else it is replicated).
     colocate_shared_parameters: bool = False
-    # Print the pipeline partition report on global rank 0.
+    # Print the pipeline partition report on global rank 0, and check for non-finite values.
     debug: bool = False
+    # Seconds any wait on a peer may last before it fails (None: smp's default, see
+    # smp.parallel_state.default_timeout); smp.init(timeout=timedelta) sets it too.
+    timeout: float | None = None
+    # Report a NaN/inf loss or gradient with the step and the stage it first appeared on
+    # (on with debug too); fp16 loss scaling's overflow handling is unchanged.
+    check_finite: bool = False
 
     @property
     def placement_order(self) -> str:
@@ -119,6 +125,9 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
+# milliseconds) and datetime.timedelta can hold.
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
 _CHOICES = {"pipeline": ("interleaved", "simple"), "optimize": ("speed", "memory")}
 _POSITIVE_INTS = (
     "pipeline_parallel_degree",
@@ -216,6 +225,8 @@ def _check_value(name: str, value: Any) -> Any:
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"smp config: 'memory_weight' must be in [0, 1], got {value!r}")
         return float(value)
+    if name in ("placement_strategy", *_CHOICES) and not isinstance(value, str):
+        raise _type_error(name, value, "a string")  # (a list or dict is not even hashable)
     if name == "placement_strategy":
         if value not in PLACEMENT_ALIASES and value not in PLACEMENT_ORDERS:
             raise ValueError(
@@ -223,6 +234,8 @@ def _check_value(name: str, value: Any) -> Any:
                 f"'DPT' ({', '.join(PLACEMENT_ORDERS)}), got {value!r}"
             )
         return value
+    if name == "timeout":
+        return check_timeout(value, "'timeout'")
     if name in _CHOICES:
         if value not in _CHOICES[name]:
             choices = " or ".join(repr(c) for c in _CHOICES[name])
@@ -238,6 +251,23 @@ def _check_value(name: str, value: Any) -> Any:
     if name == "default_partition" and value < 0:
         raise ValueError(f"smp config: 'default_partition' must be >= 0, got {value!r}")
     return value
+
+
+def check_timeout(value: Any, what: str) -> float | None:
+    """A group timeout in seconds: a finite number in (0, MAX_TIMEOUT_SECONDS], or None (the default)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"smp config: {what} must be a number of seconds, got {value!r} ({type(value).__name__}); "
+            "e.g. 'timeout': 300"
+        )
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also false for NaN
+        raise ValueError(
+            f"smp config: {what} must be in (0, {MAX_TIMEOUT_SECONDS}] seconds, got {value!r}; "
+            "give the longest a rank may wait for a peer, e.g. 300"
+        )
+    return float(value)
 
 
 def _check_combination(config: Config) -> Config:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from smp import parallel_state
+from smp import faults, parallel_state
 from smp.pipeline import schedule
 from smp.pipeline.microbatch import Microbatch
 
@@ -108,9 +108,11 @@ def step(
             st.config.pipeline, pp_rank, pp_size, m, st.config.num_active_microbatches
         )
         engine = st.model.engine if st.model is not None else None
-        if engine is not None:
-            engine.start_step()
+        _calls[0] += 1
+        action = None
         try:
+            if engine is not None:
+                engine.start_step()
             for action in actions:
                 mb = microbatches[action.microbatch]
                 mb.resume()
@@ -127,11 +129,39 @@ def step(
                 mb.abort()
             if engine is not None:
                 engine.abandon_step(error)
+            converted = _name_what_failed(error, action, pp_rank)
+            if converted is not None:
+                raise converted from error
             raise
         results = [mb.result for mb in microbatches]
         return _per_microbatch(results, detach_outputs)
 
     return run
+
+
+_calls = [0]  # smp.step calls in this process, to name the step that failed
+
+
+def _name_what_failed(error: BaseException, action, pp_rank: int) -> BaseException | None:
+    """Adds the step, stage and microbatch in flight to the error, and tells the other ranks (through
+    the store) that this rank failed: their waits then say "rank N failed". A transport error from
+    a collective inside the model (tensor parallelism's) becomes a CommunicationError to raise."""
+    if not isinstance(error, Exception):  # KeyboardInterrupt, a microbatch's Aborted
+        return None
+    converted = None
+    if faults.is_transport_error(error):
+        converted = error = faults.communication_error(
+            "a collective inside the model (tensor parallelism) or the pipeline",
+            "one of this rank's groups",
+            error,
+        )
+    where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {pp_rank}"
+    if action is not None:
+        phase = "forward" if action.kind == "F" else "backward"
+        where += f", microbatch {action.microbatch} ({phase})"
+    error.add_note(f"smp: while running {where}")
+    faults.report_failure(error)
+    return converted
 
 
 def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axes: dict[str, int]):
@@ -158,12 +188,37 @@ def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axe
 
 
 def _batch_size(split: dict[str, list[Any]], axes: dict[str, int]) -> int | None:
-    """Rows of the first split tensor in a microbatch (what tensor parallelism combines)."""
+    """Rows of the split tensors in a microbatch (what tensor parallelism combines): the same for
+    all of them, or the microbatches would pair rows that do not belong together."""
+    sizes = {}
     for name, parts in split.items():
         for leaf in torch.utils._pytree.tree_leaves(parts[0]):
-            if isinstance(leaf, torch.Tensor):
-                return leaf.shape[axes.get(name, 0)]
-    return None
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > axes.get(name, 0):
+                sizes.setdefault(leaf.shape[axes.get(name, 0)], name)
+    if len(sizes) > 1:
+        rows = ", ".join(f"'{name}' {size}" for size, name in sizes.items())
+        raise ValueError(
+            f"smp.step: the split arguments have different batch sizes per microbatch ({rows}); give "
+            "them the same batch size, or list the one that is not per-sample in non_split_inputs"
+        )
+    return next(iter(sizes), None)
+
+
+def _check_device(value: torch.Tensor, name: str) -> None:
+    """CPU tensors are moved to the rank's device by smp; others must already be on it."""
+    if value.device.type == "cpu":
+        return
+    if (
+        value.device.type == "cuda"
+        and torch.cuda.is_available()
+        and value.device.index == torch.cuda.current_device()
+    ):
+        return
+    expected = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    raise ValueError(
+        f"smp.step: argument '{name}' is on device {value.device}, but this rank runs on {expected}; "
+        f"move it there (tensor.to('{expected}')) or leave it on the CPU"
+    )
 
 
 def _split(value: Any, m: int, axis: int, name: str) -> list[Any]:
@@ -173,7 +228,13 @@ def _split(value: Any, m: int, axis: int, name: str) -> list[Any]:
                 f"smp.step: argument '{name}' is a 0-dim tensor, which has no batch axis to split into "
                 f"{m} microbatches; list its name in smp.step(non_split_inputs=[...])"
             )
+        _check_device(value, name)
         size = value.shape[axis]
+        if size == 0:
+            raise ValueError(
+                f"smp.step: argument '{name}' is an empty batch (size 0 along axis {axis}); skip empty "
+                "batches before calling the step function (DataLoader(..., drop_last=True))"
+            )
         if size % m:
             raise ValueError(
                 f"smp.step: argument '{name}' has batch size {size} along axis {axis}, which does not "
@@ -181,6 +242,11 @@ def _split(value: Any, m: int, axis: int, name: str) -> list[Any]:
                 "drop_last=True) drops a smaller last batch) or list it in non_split_inputs"
             )
         return list(value.chunk(m, dim=axis))
+    if type(value).__module__ == "numpy" and hasattr(value, "shape"):
+        raise ValueError(
+            f"smp.step: argument '{name}' is a numpy {type(value).__name__}, which smp would pass whole to "
+            "every microbatch; convert it with torch.from_numpy(...) (or list it in non_split_inputs)"
+        )
     if hasattr(value, "smp_slice"):
         return [value.smp_slice(m, i, axis) for i in range(m)]
     if isinstance(value, dict):

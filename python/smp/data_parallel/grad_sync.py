@@ -25,6 +25,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from smp import faults
 from smp import params as param_facts
 
 
@@ -91,8 +92,9 @@ class GradSync:
             return  # a forward-only step, or one that only accumulates
         while len(self._launched) < len(self._buckets):
             self._launch(len(self._launched))
-        for bucket, flat, work in self._launched:
-            work.wait()
+        for i, (bucket, flat, work) in enumerate(self._launched):
+            with faults.waiting(self._bucket_op(i), faults.group_of("data-parallel", self._dp_group)):
+                work.wait()
             flat.div_(self._dp_size)
             if bucket.flat is not None:
                 continue  # averaged in place
@@ -107,9 +109,12 @@ class GradSync:
                 main = param_facts.grad32(p)
                 if main is not None and not self._bucket_of:
                     p.grad = main.to(p.dtype)
-        for _, p, group in self._shared:
+        for name, p, group in self._shared:
             grad = self._grad(p)
-            dist.all_reduce(grad, group=group)
+            with faults.waiting(
+                f"summing the gradient of {name!r}", faults.group_of("shared-parameter", group)
+            ):
+                dist.all_reduce(grad, group=group)
             self._set_grad(p, grad)
 
     def _set_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -147,8 +152,12 @@ class GradSync:
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 attach_grad(p, view)
             flat = bucket.flat
-        work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+        with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
+            work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
         self._launched.append((bucket, flat, work))
+
+    def _bucket_op(self, index: int) -> str:
+        return f"gradient all-reduce of bucket {index + 1} of {len(self._buckets)}"
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         grad = param_facts.grad32(p) if self._fp32 else p.grad

@@ -29,6 +29,7 @@ from smp.data_parallel.grad_sync import GradSync
 from smp.engine import model_state
 from smp.engine.parallelize import Parallelized, parallelize, place_whole, training_flags
 from smp.engine.protocol import GradientConsumer
+from smp.finite_check import FiniteCheck
 from smp.parallel_state import ParallelGroups
 from smp.pipeline.activation_meter import SavedActivationMeter
 from smp.pipeline.microbatch import Microbatch
@@ -77,14 +78,17 @@ class Engine:
         self._passes_per_step = backward_passes_per_step
         self._passes_done = 0
         self._post_step_hooks: list[Callable] = []
-        # Activation checkpointing: the requests, in order, and whether a step has started.
+        # Activation checkpointing: the requests, in order.
         self._checkpointing: list[recompute.CheckpointRequest] = []
-        self._stepped = False
         self._offloader = (
             recompute.ActivationOffloader(config.activation_loading_horizon, module.parameters)
             if config.offload_activations and torch.cuda.is_available()
             else None
         )
+        self._steps = 0  # steps started
+        # NaN/inf report (not in fp16, where they are the loss scaler's overflow signal).
+        checks = (config.check_finite or config.debug) and not config.fp16
+        self._finite = FiniteCheck(groups.pp_rank, groups.rank) if checks else None
         if not self.captures:
             self._install(place_whole(module, config, groups))
         for layer in recompute.hf_flags.take(module):
@@ -129,12 +133,14 @@ class Engine:
                 "its activations may still be in flight between stages, so this pipeline cannot run "
                 "another step: restart the job (from a checkpoint)"
             )
-        if not self._stepped:
-            self._stepped = True
+        if self._steps == 0:
             self._check_offloading()
         if self._grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
+        self._steps += 1
+        if self._finite is not None:
+            self._finite.start_step()
         if self._broadcast_buffers and self.partitioned:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
             replicas.broadcast_over(list(self.module.buffers()), self.groups.dp, self.groups.dp_ranks)
@@ -146,6 +152,8 @@ class Engine:
             self._offloader.finish_step()
         if self._grad_sync is not None:
             self._grad_sync.finish_step()
+        if self._finite is not None:
+            self._check_finite()
         if self._backward_ran:
             self._passes_done = (self._passes_done + 1) % self._passes_per_step
             if self._passes_done == 0:  # the accumulation window is complete
@@ -161,6 +169,13 @@ class Engine:
             new_window=self._passes_done == 0,
             sync=self._passes_done + 1 == self._passes_per_step,
         )
+
+    def _check_finite(self) -> None:
+        if self._backward_ran:
+            named = self.module.named_parameters()
+            grads = [(n, param_facts.applied_grad(p)) for n, p in named if not param_facts.is_nonlocal(p)]
+            self._finite.gradients(grads)
+        self._finite.raise_if_any(self._steps, None)  # on every rank: none is left waiting
 
     def register_post_step_hook(self, hook: Callable) -> None:
         """hook(optimizer) runs once, when the next step has finished (its gradients averaged)."""
@@ -189,6 +204,8 @@ class Engine:
         mb.runtime = self._runtime()
         with self._saving_for(mb):
             pending = mb.runtime.forward(mb.index, args, kwargs)
+        if self._finite is not None:
+            self._finite.activations(mb.index, mb.runtime.produced(mb.index))
         mb.pause()
         return pending.wait()
 
@@ -197,6 +214,8 @@ class Engine:
         if self._consumers:
             scale *= self._consumers[0].loss_scale  # fp16 loss scaling; the optimizer divides it out
         self._backward_ran = True
+        if self._finite is not None:
+            self._finite.loss(mb.index, tensors)
         grads = []
         for t, g in zip(tensors, grad_tensors, strict=True):
             if g is None:
@@ -273,7 +292,7 @@ class Engine:
 
     def set_activation_checkpointing(self, request: recompute.CheckpointRequest) -> None:
         """Recomputes the request's regions in backward (before the first step only)."""
-        if self._stepped:
+        if self._steps > 0:
             raise ValueError(
                 f"smp.set_activation_checkpointing({request.paths[0] or 'the whole model'}): called after "
                 "the first step, when the model is already partitioned and running; call it after "

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smp import faults
 from smp.data_parallel.grad_sync import attach_grad
 
 
@@ -162,7 +163,9 @@ class FlatState:
         the others' flat buffers, in place (Gloo's all-gather would gather into a buffer of its own
         and copy that out: twice the time, and page faults)."""
         works = []
-        with torch.no_grad():
+        where = faults.group_of("reduced-data-parallel", self._group)
+        operation = "optimizer publish (broadcast of each rank's updated chunk of the parameters)"
+        with torch.no_grad(), faults.waiting(operation, where):
             for flat in self.groups:
                 if not flat.params:
                     continue
@@ -173,8 +176,8 @@ class FlatState:
                 for r, src in enumerate(self._ranks):
                     part = flat.values[r * flat.chunk : (r + 1) * flat.chunk]
                     works.append(dist.broadcast(part, src=src, group=self._group, async_op=True))
-        for work in works:
-            work.wait()
+            for work in works:
+                work.wait()
 
     # --- state dicts --------------------------------------------------------------------
 

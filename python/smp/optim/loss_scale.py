@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from smp import faults
+
 DEFAULTS = {
     "init_scale": 2.0**32,
     "scale_factor": 2.0,
@@ -70,5 +72,8 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=device or torch.device("cpu"))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with faults.waiting(
+        "the optimizer's overflow check (any rank's inf/nan)", faults.group_of("world", None)
+    ):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

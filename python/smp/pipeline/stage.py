@@ -19,22 +19,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from smp import faults
 from smp.passes import PipelineGraph, Value
 from smp.pipeline import activation_meter
 
 _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
+_KIND_NAMES = ("activation", "output", "gradient")
 
 
 class _Incoming:
     """A posted receive; wait() gives the tensor on the stage's device (once; later calls reuse it)."""
 
-    def __init__(self, buffer: torch.Tensor, work: dist.Work, device: torch.device):
+    def __init__(self, buffer: torch.Tensor, work: dist.Work, device: torch.device, context: tuple = ()):
         self._buffer, self._work, self._device = buffer, work, device
+        self._context = context  # faults.waiting's (operation, group, peer): named if the peer fails
         self._tensor: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._tensor is None:
-            self._work.wait()
+            with faults.waiting(*self._context):
+                self._work.wait()
             self._tensor = self._buffer.to(self._device)
         return self._tensor
 
@@ -171,9 +175,14 @@ class StageRuntime:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
 
+    def produced(self, k: int) -> dict[str, torch.Tensor]:
+        """The values this stage computed in microbatch k's forward (until its backward)."""
+        return self._in_flight[k].produced
+
     def finish_step(self) -> None:
-        for work in self._sends:
-            work.wait()
+        with faults.waiting(f"pipeline stage {self.index} completing its sends", self._group_name()):
+            for work in self._sends:
+                work.wait()
         self._sends = []
         self._in_flight.clear()
 
@@ -189,9 +198,14 @@ class StageRuntime:
     def _recv(self, value: Value, src_stage: int, kind: int, k: int) -> _Incoming:
         buffer = torch.empty(value.shape, dtype=value.dtype)
         tag = self._tag(kind, k, value.name)
-        return _Incoming(
-            buffer, dist.irecv(buffer, src=self._ranks[src_stage], group=self._group, tag=tag), self._device
-        )
+        what = f"pipeline stage {self.index} receiving {_KIND_NAMES[kind]} {value.name!r} of microbatch {k}"
+        context = (f"{what} from stage {src_stage}", self._group_name(), self._ranks[src_stage])
+        with faults.waiting(*context):
+            work = dist.irecv(buffer, src=self._ranks[src_stage], group=self._group, tag=tag)
+        return _Incoming(buffer, work, self._device, context)
+
+    def _group_name(self) -> str:
+        return faults.describe_group("pipeline", self._ranks)
 
     def _to_device(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device != self._device:
