@@ -110,6 +110,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return bool(self._engine.config.shard_optimizer_state) and self._engine.groups.rdp_size > 1
 
     def step(self, closure=None):
+        if self._engine.steps_run == 0:
+            raise RuntimeError(
+                "smp: optimizer.step() was called before any @smp.step function ran the model; call "
+                "your @smp.step function (forward and model.backward) first, then optimizer.step()"
+            )
         self._localize()
         self._skipped = self._overflow
         if self._overflow:  # every rank agrees: skip, and lower the scale

@@ -100,7 +100,13 @@ def step(
     def run(*args, **kwargs):
         st = parallel_state.state()
         m = st.config.microbatches
-        bound = signature.bind(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise ValueError(
+                f"smp.step: {fn.__name__}{signature} cannot take these arguments ({e}); call it as its "
+                "signature says"
+            ) from e
         pieces, batch_size = _split_arguments(bound, m, whole, axes)
         microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
         pp_rank, pp_size = parallel_state.pp_rank(), parallel_state.pp_size()

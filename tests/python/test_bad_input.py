@@ -41,3 +41,102 @@ def test_step_arguments_by_message():
     (messages,) = run_ranks(_bad_inputs, 1, init=False)
     for case, (_, expected) in CASES.items():
         assert expected in messages.get(case, ""), (case, messages.get(case))
+
+
+def _misuse(rank, world):
+    import smp
+
+    smp.init({})
+    model = smp.DistributedModel(torch.nn.Linear(4, 4))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def manual_backward(x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    @smp.step
+    def train_step(x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    messages = {}
+    for case, call in {
+        "optimizer before any step": optimizer.step,
+        "manual loss.backward()": lambda: manual_backward(torch.zeros(2, 4)),
+        "wrong arguments": lambda: train_step(torch.zeros(2, 4), torch.zeros(2, 4)),
+    }.items():
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            messages[case] = str(e)
+    return messages
+
+
+def test_misuse_by_message():
+    (messages,) = run_ranks(_misuse, 1, init=False)
+    assert (
+        "optimizer.step() was called before any @smp.step function" in messages["optimizer before any step"]
+    )
+    assert "call model.backward(loss) instead" in messages["manual loss.backward()"]
+    assert "train_step(x) cannot take these arguments" in messages["wrong arguments"]
+
+
+class _Returns(torch.nn.Module):
+    """Two linear layers (one per stage) returning `kind` of output."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.b(self.a(x))
+        if self.kind == "sparse":
+            return y.to_sparse()
+        if self.kind == "view":
+            return y.t()  # non-contiguous: sent contiguous
+        return {"y": y, "name": "a string"}  # a non-tensor output: a constant of the graph
+
+
+def _output_of(kind: str) -> str:
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout": 5})
+    model = smp.DistributedModel(_Returns(kind))
+
+    @smp.step
+    def train_step(x):
+        out = model(x)
+        y = out["y"] if isinstance(out, dict) else out
+        loss = y.to_dense().sum() if y.is_sparse else y.sum()
+        model.backward(loss)
+        return out
+
+    try:
+        result = train_step(torch.randn(4, 8))
+        return "ok" if kind == "view" else result["name"][0]
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+
+
+def _outputs(rank, world):
+    from smp import parallel_state
+
+    out = {}
+    for kind in ("view", "non-tensor", "sparse"):  # sparse last: it fails the pipeline
+        out[kind] = _output_of(kind)
+        parallel_state.reset()
+    return out
+
+
+def test_outputs_that_cannot_be_sent():
+    stage0, stage1 = run_ranks(_outputs, 2, init=False)
+    assert stage0["view"] == stage1["view"] == "ok"
+    assert stage0["non-tensor"] == stage1["non-tensor"] == "a string"
+    assert "is a torch.sparse_coo tensor, which the pipeline cannot send" in stage1["sparse"]
+    assert "return it dense (tensor.to_dense())" in stage1["sparse"]
+    # Stage 0, waiting for that output, names the rank that failed (it stayed alive: the timeout).
+    assert "rank 1 failed: ValueError: smp: the model's value" in stage0["sparse"], stage0["sparse"]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp import params as param_facts
+from smp.pipeline import microbatch
 
 
 @dataclasses.dataclass
@@ -127,6 +128,7 @@ class GradSync:
             p.grad.copy_(grad)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        _check_not_manual_backward()
         if self._fp32:
             main = param_facts.grad32(p)
             param_facts.set_grad32(p, p.grad.float() if main is None else main.add_(p.grad))
@@ -184,6 +186,17 @@ class GradSync:
         buckets += [_Bucket(group) for group in _buckets(rest, self._cap_bytes)]
         self._buckets = buckets
         self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
+
+
+def _check_not_manual_backward() -> None:
+    """A gradient inside @smp.step before model.backward: the step function called loss.backward(),
+    which skips smp's backward (the pipeline's gradient messages, loss scaling, averaging)."""
+    mb = microbatch.current()
+    if mb is not None and mb.backward_calls == 0:
+        raise RuntimeError(
+            "smp: loss.backward() was called inside an @smp.step function; call model.backward(loss) "
+            "instead, which runs this rank's part of the backward and sends gradients to the other stages"
+        )
 
 
 def attach_grad(p: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -102,6 +102,11 @@ class Engine:
         return self.groups.pp_size > 1 or self.groups.tp_size > 1
 
     @property
+    def steps_run(self) -> int:
+        """How many @smp.step calls have started (training or evaluation)."""
+        return self._steps
+
+    @property
     def partitioned(self) -> bool:
         return self.parallelized is not None
 

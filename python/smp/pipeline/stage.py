@@ -116,6 +116,7 @@ class StageRuntime:
         produced = dict(zip(self.stage.produced, results, strict=True))
         for name, tensor in produced.items():
             value = values[name]
+            _check_sendable(name, tensor, self.index)
             data = tensor.detach().contiguous()
             for dst in value.consumers:
                 self._send(data, dst, _ACTIVATION, k, name)
@@ -223,6 +224,16 @@ class StageRuntime:
                     "every step must give the model inputs of the same shapes (pad to a fixed length and "
                     "keep the batch size fixed with DataLoader(drop_last=True))"
                 )
+
+
+def _check_sendable(name: str, tensor: torch.Tensor, stage: int) -> None:
+    """Messages carry dense (strided) tensors; a non-contiguous one is made contiguous on the way."""
+    if tensor.layout != torch.strided:
+        raise ValueError(
+            f"smp: the model's value {name!r}, computed on pipeline stage {stage}, is a {tensor.layout} "
+            "tensor, which the pipeline cannot send between stages; return it dense (tensor.to_dense()) "
+            "and convert it after the model's call"
+        )
 
 
 def _placeholders(pipe: PipelineGraph):
