@@ -58,6 +58,7 @@ class Rewrite:
         self.replicated_uses: dict[str, str] = {}  # parameter -> a node that reads it whole
         self._cache: dict[tuple[str, Any], fx.Node] = {}  # (original node name, what) -> local node
         self.current: fx.Node | None = None  # the original node being rewritten
+        self.trainable = _trainable_values(gm)  # original nodes whose value depends on a parameter
 
     def run(self) -> fx.Graph:
         for node in self.gm.graph.nodes:
@@ -99,6 +100,8 @@ class Rewrite:
         its result."""
         if args is None:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.arg(n, None))
+        if layout is not None:
+            args, kwargs = self._sum_grads_of_replicated(node, args, kwargs)
         new = self.graph.create_node(node.op, node.target, tuple(args), dict(kwargs or {}), name=node.name)
         new.meta = dict(node.meta)
         new.meta["smp_tp_origin"] = node.name
@@ -106,6 +109,33 @@ class Rewrite:
             new.meta["val"] = local_val(node.meta["val"], layout, self.size)
         self.env[node.name] = new
         self.layout[node.name] = layout
+
+    def _sum_grads_of_replicated(self, node: fx.Node, args, kwargs):
+        """A replicated operand that depends on parameters (a QK-norm weight applied to sharded
+        heads), read by an op whose result is sharded, meets only this rank's slice: each rank
+        computes only its slice's share of the operand's gradient. tp_copy (identity forward,
+        all-reduce backward) sums the shares, so every replicated parameter read inside a
+        sharded region gets its whole gradient on every rank."""
+        plain = {
+            self.env[n.name]: n
+            for n in node.all_input_nodes
+            if self.layout.get(n.name) is None and n.name in self.trainable
+        }
+        if not plain:
+            return args, kwargs
+
+        def summed(local: fx.Node) -> fx.Node:
+            original = plain.get(local)
+            if original is None:
+                return local
+            return self.cached(
+                (original.name, "grad_sum"),
+                lambda: self.emit(
+                    torch.ops.smp.tp_copy.default, (local, self.group), val=original.meta.get("val")
+                ),
+            )
+
+        return fx.node.map_arg((tuple(args), dict(kwargs or {})), summed)
 
     def set(self, node: fx.Node, new: fx.Node, layout: Layout) -> None:
         """Records `new` (emitted by a rule) as the local value of `node`, in `layout`."""
@@ -262,6 +292,19 @@ def _infer_val(node: fx.Node):
         return node.target(*args, **kwargs)
     except Exception:  # an input without a recorded value: leave it unknown
         return None
+
+
+def _trainable_values(gm: fx.GraphModule) -> set[str]:
+    """Names of the original nodes whose value depends on a parameter that requires grad."""
+    found: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = fetch_attr(gm, node.target)
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                found.add(node.name)
+        elif any(a.name in found for a in node.all_input_nodes):
+            found.add(node.name)
+    return found
 
 
 def _is_tensor_attr(gm: fx.GraphModule, key: str) -> bool:

@@ -29,6 +29,29 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+class QKNormAttention(Attention):
+    """Attention with a learned RMSNorm over each head's queries and keys (QK-norm: Qwen3, OLMo2,
+    Gemma3): replicated [head_dim] weights applied to every head, so with heads sharded each
+    rank computes only its heads' share of their gradients."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__(dim, heads)
+        self.q_norm = nn.Parameter(1.0 + 0.1 * torch.randn(dim // heads))
+        self.k_norm = nn.Parameter(1.0 + 0.1 * torch.randn(dim // heads))
+
+    @staticmethod
+    def _rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        q, k = self._rms(q, self.q_norm), self._rms(k, self.k_norm)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, attention: type[nn.Module] = Attention):
         super().__init__()

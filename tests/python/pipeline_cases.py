@@ -73,6 +73,7 @@ CASES = {
     "counting": counting_case,
     # Three heads: attention cannot split over 2 ranks (stays replicated), the MLPs can.
     "gpt_3heads": lambda: gpt_case(layers=2, dim=24, heads=3),
+    "qknorm": lambda: gpt_case(layers=2, attention=models.QKNormAttention),
     "twice": lambda: _regression_case(models.TwiceCalled()),
     "skip": lambda: _regression_case(models.LongSkip()),
     "normed": lambda: _regression_case(models.Normed()),

@@ -44,7 +44,8 @@ def _check(results, tp):
 def test_parity(layout):
     world_size, base = LAYOUTS[layout]
     configs = [base | {"prescaled_batch": prescaled} for prescaled in (False, True)]
-    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa"], configs, timeout=600)
+    # qknorm: replicated per-head norm weights inside the sharded heads (their gradients summed over tp).
+    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa", "qknorm"], configs, timeout=600)
     tp = base["tensor_parallel_degree"]
     for by_case in per_rank:
         for results in by_case.values():
