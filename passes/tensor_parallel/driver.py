@@ -233,7 +233,9 @@ class Rewrite:
         stack = module_stack(node)
         if not stack or stack[-1] not in self.marked:
             return False
-        return not any(path in self.demoted_modules for path in stack)
+        # A demoted module covers every path under it (a ModuleList is demoted by its own path,
+        # which no node's stack holds: only its layers run).
+        return not any(p == d or p.startswith(d + ".") for p in stack for d in self.demoted_modules)
 
     def add_spec(self, attr: fx.Node, spec: ShardSpec) -> None:
         """Cuts parameter `attr` by `spec`; a parameter also read whole, or cut two ways, is demoted."""

@@ -635,3 +635,33 @@ def test_tensor_parallel_restarts_are_bounded_by_the_demotable_keys():
     stray = r"2 restarts, more than the 1 modules .* 1\. stray0: made up; 2\. stray1: made up"
     with pytest.raises(RuntimeError, match=stray):
         _run_with_demotions(new_stray_key_forever, {}, {"x"})
+
+
+class _ThreeRanks:
+    """What the rewrite reads of a process group (it runs no collective)."""
+
+    group_name = "unused"
+
+    def size(self):
+        return 3
+
+    def rank(self):
+        return 0
+
+
+def test_tensor_parallel_demoted_module_list_covers_its_layers():
+    """Layers in an nn.ModuleList whose features do not divide: demoting the list (a path no node's
+    module stack holds) keeps every layer under it whole, instead of demoting it again."""
+    model = models.DictInTupleOut()
+    batch = {"x": torch.randn(6, 16), "gate": torch.randn(6, 16)}
+    captured = passes.capture(model, (batch,))
+    flat = captured.flatten_inputs((batch,), {})
+    expected = captured.graph_module(batch)  # (the rewritten graph takes the flat leaves)
+    marked = {path for path, _ in model.named_modules()}
+    result = passes.tensor_parallel(captured.graph_module, _ThreeRanks(), marked)
+    assert result.specs == {}
+    assert (
+        "layers" in result.replicated and "divide by tensor_parallel_degree=3" in result.replicated["layers"]
+    )
+    for got, want in zip(captured.graph_module.forward(*flat), expected, strict=True):  # (no input hooks)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
