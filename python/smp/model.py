@@ -246,6 +246,13 @@ class DistributedModel(nn.Module):
         }
         return [self.module.get_submodule(path) for path in sorted(owners)]
 
+    def tensor_parallel_report(self):
+        """How much of the modules marked for tensor parallelism was sharded: bytes of matrix
+        parameters sharded and replicated, and the largest replicated ones with the reason each
+        stayed whole (print it). None before the first step or without tensor parallelism."""
+        parallelized = self.engine.parallelized
+        return parallelized.tp_coverage if parallelized is not None else None
+
     def default_reducer_named_parameters(self):
         """Parameters whose gradients are averaged over the data-parallel group."""
         return [(n, p) for n, p in self.module.named_parameters() if not self.is_distributed_parameter(p)]

@@ -224,3 +224,56 @@ def test_delayed_initialization_initializes_each_shard():
     bound = 1 / 32**0.5
     assert 0.8 * bound < proj.abs().max() <= bound
     assert all(math.isfinite(x) for x in a["losses"])
+
+
+class _WeightMatmul(torch.nn.Module):
+    """Linears spelled `x @ W.T` on raw parameters (as FalconLinear does): no layer to cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(64, 16) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(16, 64) * 0.1)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w1.T) @ self.w2.T
+
+
+def _coverage_run(model_fn, x):
+    import smp
+
+    smp.init({"tensor_parallel_degree": 2})
+    with smp.tensor_parallelism():
+        model = model_fn()
+    dmodel = smp.DistributedModel(model)
+
+    @smp.step
+    def forward(x):
+        return dmodel(x)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forward(x)
+    report = dmodel.tensor_parallel_report()
+    smp.parallel_state.reset()
+    return report.sharded_share, str(report), [str(w.message) for w in caught]
+
+
+def _coverage(rank, world_size):
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    gpt = _coverage_run(lambda: pipeline_cases.models.GPT(layers=2), ids)
+    plain = _coverage_run(_WeightMatmul, torch.randn(4, 16))
+    return gpt, plain
+
+
+def test_coverage_report_and_warning_when_little_is_sharded():
+    for gpt, plain in run_ranks(_coverage, 2, timeout=180):
+        share, report, caught = gpt
+        # Every matrix of the GPT is cut (the embeddings vocab-parallel, the head tied to one).
+        assert share == 1.0, report
+        assert "100% of the marked matrix parameters sharded" in report, report
+        assert not any("saves little memory" in m for m in caught), caught
+        share, report, caught = plain
+        assert share == 0.0, report
+        assert "0% of the marked matrix parameters sharded" in report
+        assert "replicated w1 (0.00 MiB): no tensor-parallel rule cuts the way it is used" in report
+        assert any("less than 80% of the marked matrix parameters are sharded" in m for m in caught), caught

@@ -264,6 +264,8 @@ class Engine:
         self.track_saved_activations(self._track_activations)
         if self.config.debug and self.groups.rank == 0:
             print(self.parallelized.plan.report(), flush=True)
+            if parallelized.tp_coverage is not None:
+                print(parallelized.tp_coverage, flush=True)
         if (
             self.config.debug
             and parallelized.recompute_report

@@ -25,6 +25,7 @@ from smp.passes.regions import Region
 from smp.pipeline import placement
 from smp.pipeline.partitioning import module_partitions
 from smp.pipeline.stage import StageRuntime
+from smp.tensor_parallel.coverage import CoverageReport
 from smp.tensor_parallel.marks import marked_modules
 from smp.tensor_parallel.shard import shard_modes
 
@@ -45,6 +46,8 @@ class Parallelized:
     plan: passes.PartitionPlan | None = None
     # What activation checkpointing did on this rank's stage (for `debug`).
     recompute_report: str = ""
+    # How much of the marked modules tensor parallelism cut (None without it).
+    tp_coverage: CoverageReport | None = None
 
 
 def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
@@ -103,9 +106,10 @@ def parallelize(
         other = _capture(module, args, kwargs, retarget)
         modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
     specs: dict[int, passes.ShardSpec] = {}
+    tp_coverage = None
     if groups.tp_size > 1:
         combined = None if config.prescaled_batch else batch_size * groups.tp_size
-        modes, specs = shard_modes(
+        modes, specs, tp_coverage = shard_modes(
             modes, module, groups.tp, marked_modules(module), combined, config.colocate_shared_parameters
         )
     plan = modes[training_flags(module)][1]
@@ -129,7 +133,7 @@ def parallelize(
         )
         for flags, pipe in pipes.items()
     }
-    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report)
+    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report, tp_coverage)
 
 
 def _checkpoint_stages(pipes, modes, checkpointing, offloader, stage: int, current) -> str:

@@ -12,6 +12,7 @@ from torch import fx, nn
 from smp import params as param_facts
 from smp import passes
 from smp.passes.fx_utils import COMPUTE_OPS
+from smp.tensor_parallel import coverage
 
 # Captured graphs keyed by the modules' train/eval flags, each with its partition plan.
 Modes = dict[tuple[bool, ...], tuple[passes.CapturedGraph, passes.PartitionPlan]]
@@ -24,10 +25,10 @@ def shard_modes(
     marked: set[str],
     combined_batch: int | None,
     colocate_shared: bool,
-) -> tuple[Modes, dict[int, passes.ShardSpec]]:
+) -> tuple[Modes, dict[int, passes.ShardSpec], coverage.CoverageReport]:
     """Runs the tensor-parallel pass on each captured mode (they share shards and decisions) and
-    puts the shards in `module`; returns the modes with plans covering the rewritten graphs, and
-    id(local shard) -> how it was cut.
+    puts the shards in `module`; returns the modes with plans covering the rewritten graphs,
+    id(local shard) -> how it was cut, and how much of the marked modules was cut.
 
     combined_batch: without prescaled_batch, the rows the group runs together (the pass cuts
     each output back to this rank's rows); None when the group reads one batch.
@@ -48,7 +49,15 @@ def shard_modes(
         sharded[flags] = (captured, passes.plan_from_assignment(gm, stages, plan.num_stages, colocate_shared))
     for key, reason in result.replicated.items():
         warnings.warn(f"smp tensor parallelism: {key} stays replicated: {reason}", stacklevel=4)
-    return sharded, install_shards(module, result)
+    report = coverage.coverage(module, marked, result, group.size())
+    if report.sharded_share < coverage.WARN_BELOW:
+        warnings.warn(
+            f"{report}\nsmp tensor parallelism: less than {coverage.WARN_BELOW:.0%} of the marked matrix "
+            "parameters are sharded, so tensor parallelism saves little memory on this model "
+            "(model.tensor_parallel_report() lists what stayed whole and why)",
+            stacklevel=4,
+        )
+    return sharded, install_shards(module, result), report
 
 
 def install_shards(module: nn.Module, result: passes.TensorParallelResult) -> dict[int, passes.ShardSpec]:
