@@ -7,11 +7,22 @@ resumes on any layout (its optimizer files only on the same layout).
 
 Resuming before the first step is deferred until the model is partitioned, as in SMP v1: the
 files are read at once (so a wrong path fails at the call), applied after partitioning.
+
+Saves are atomic: every rank writes and fsyncs its files in `<folder>.incomplete`, which rank 0
+renames to the checkpoint's folder once all are done; `newest` is replaced (write, fsync,
+rename) only after that. A job killed at any point of a save leaves the previous checkpoint
+whole and `newest` naming a complete one.
+
+Loads are safe: files are read with `torch.load(weights_only=True)`, which rebuilds tensors and
+plain containers and refuses any other pickled object (it could run code). Content of your own
+that needs more (e.g. an argparse Namespace in user_content) loads only when you pass
+`weights_only=False`, for files you trust.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from typing import Any
 
@@ -20,6 +31,8 @@ import torch
 from smp import comm, parallel_state
 
 _NEWEST = "newest"
+_INCOMPLETE = ".incomplete"
+_REPLACED = ".replaced"
 
 
 def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> None:
@@ -29,21 +42,24 @@ def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> 
     which transformers passes) is accepted: the file is the same."""
     del v3
     if partial:
-        torch.save(obj, _partial_name(f), **kwargs)
+        _write(obj, _partial_name(f), **kwargs)
     elif not parallel_state.is_initialized() or parallel_state.rank() == 0:
-        torch.save(obj, f, **kwargs)
+        _write(obj, f, **kwargs)
 
 
-def load(f: str, map_location=None, partial: bool = True, back_compat: bool = False) -> Any:
+def load(
+    f: str, map_location=None, partial: bool = True, back_compat: bool = False, weights_only: bool = True
+) -> Any:
     """Reads what smp.save wrote; with partial=True, this model-parallel rank's file. `back_compat`
-    (SMP's flag for its older file formats) is accepted: smp has one format."""
+    (SMP's flag for its older file formats) is accepted: smp has one format. Only tensors and plain
+    containers load unless `weights_only=False` (then the file may run code: trusted files only)."""
     del back_compat
     path = _partial_name(f) if partial else f
     if not os.path.exists(path):
         partial_file = parallel_state.is_initialized() and not partial and os.path.exists(_partial_name(f))
         hint = " (it was saved with partial=True: load it with partial=True)" if partial_file else ""
         raise FileNotFoundError(f"smp.load: {path} does not exist{hint}")
-    return torch.load(path, map_location=map_location, weights_only=False)
+    return _read(path, map_location, weights_only, "smp.load")
 
 
 def save_checkpoint(
@@ -60,26 +76,28 @@ def save_checkpoint(
     newest. A collective: call it on every rank."""
     del translate_if_full  # smp's full checkpoints already use the original module's keys
     model = model if model is not None else parallel_state.state().model
-    folder = os.path.join(path, _folder(tag, partial))
+    final = os.path.join(path, _folder(tag, partial))
+    folder = final + _INCOMPLETE  # nothing here counts until rank 0 renames it
     if parallel_state.rank() == 0:
-        os.makedirs(folder, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(folder)
     comm.barrier()
     if model is not None:
         if partial:
             if parallel_state.rdp_rank() == 0:
-                torch.save(model.local_state_dict(), os.path.join(folder, f"model_{_mp_suffix()}.pt"))
+                _write(model.local_state_dict(), os.path.join(folder, f"model_{_mp_suffix()}.pt"))
         else:
             full = model.state_dict()  # a collective over the model-parallel ranks
             if parallel_state.rank() == 0:
-                torch.save(full, os.path.join(folder, "model.pt"))
+                _write(full, os.path.join(folder, "model.pt"))
     if optimizer is not None:
         _save_optimizer(optimizer, folder)
     if parallel_state.rank() == 0:
-        torch.save(user_content, os.path.join(folder, "user_content.pt"))
-    comm.barrier()
+        _write(user_content, os.path.join(folder, "user_content.pt"))
+    comm.barrier()  # every rank's files are written and synced
     if parallel_state.rank() == 0:
-        with open(os.path.join(path, _NEWEST), "w") as out:
-            out.write(tag)
+        _publish(folder, final)
+        _replace_text(os.path.join(path, _NEWEST), tag)
         if partial and num_kept_partial_checkpoints:
             _prune(path, tag, num_kept_partial_checkpoints)
     comm.barrier()
@@ -93,9 +111,12 @@ def resume_from_checkpoint(
     load_optimizer: bool = True,
     load_sharded_optimizer_state: bool = True,
     translate_function=None,
+    weights_only: bool = True,
 ) -> Any:
     """Loads a checkpoint written by save_checkpoint (the newest when tag is None) into the
-    DistributedModel and its DistributedOptimizer; returns the user content."""
+    DistributedModel and its DistributedOptimizer; returns the user content. Files hold tensors
+    and plain containers; user content with other objects needs `weights_only=False` (trusted
+    files only: unpickling them may run code)."""
     del translate_function  # checkpoints hold the original module's keys: nothing to translate
     model = parallel_state.state().model
     if model is None:
@@ -111,11 +132,13 @@ def resume_from_checkpoint(
         with open(newest) as f:
             tag = f.read().strip()
     folder = os.path.join(path, _folder(tag, partial))
+    if not os.path.exists(folder) and os.path.exists(folder + _REPLACED):
+        folder += _REPLACED  # a save of the same tag was killed between its two renames
     model_file = os.path.join(folder, f"model_{_mp_suffix()}.pt" if partial else "model.pt")
     if not partial and os.path.isfile(folder):
         # SMP also resumed a full checkpoint that is one state_dict file, `path/tag`: transformers'
         # Trainer resumes its pytorch_model.bin this way (with load_optimizer=False).
-        model_state = torch.load(folder, map_location="cpu", weights_only=False)
+        model_state = _read(folder, "cpu", weights_only, "smp.resume_from_checkpoint")
         model.register_post_partition_hook(
             lambda model, optimizer: model.load_state_dict(model_state, strict)
         )
@@ -126,11 +149,13 @@ def resume_from_checkpoint(
             "the layout that wrote it (same pipeline and tensor parallel degrees); save with partial=False "
             "to change layouts"
         )
-    model_state = torch.load(model_file, map_location="cpu", weights_only=False)
+    model_state = _read(model_file, "cpu", weights_only, "smp.resume_from_checkpoint")
     optimizer_state = None
     if load_optimizer and model.engine.optimizer is not None:
-        optimizer_state = _load_optimizer(folder, load_sharded_optimizer_state)
-    user_content = torch.load(os.path.join(folder, "user_content.pt"), weights_only=False)
+        optimizer_state = _load_optimizer(folder, load_sharded_optimizer_state, weights_only)
+    user_content = _read(
+        os.path.join(folder, "user_content.pt"), None, weights_only, "smp.resume_from_checkpoint"
+    )
 
     def apply(model, optimizer) -> None:
         if partial:
@@ -150,28 +175,78 @@ def resume_from_checkpoint(
 def _save_optimizer(optimizer, folder: str) -> None:
     sharded = optimizer.sharded
     if sharded:  # every rank owns a chunk
-        torch.save(
+        _write(
             optimizer.local_state_dict(),
             os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt"),
         )
         return
     state = optimizer.rank_state_dict()  # one file per model-parallel rank: its own part
     if parallel_state.rdp_rank() == 0:
-        torch.save(state, os.path.join(folder, f"optimizer_{_mp_suffix()}.pt"))
+        _write(state, os.path.join(folder, f"optimizer_{_mp_suffix()}.pt"))
 
 
-def _load_optimizer(folder: str, sharded_ok: bool):
+def _load_optimizer(folder: str, sharded_ok: bool, weights_only: bool):
     chunk = os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt")
     whole = os.path.join(folder, f"optimizer_{_mp_suffix()}.pt")
     if os.path.exists(chunk) and sharded_ok:
-        return torch.load(chunk, map_location="cpu", weights_only=False)
+        return _read(chunk, "cpu", weights_only, "smp.resume_from_checkpoint")
     if os.path.exists(whole):
-        return torch.load(whole, map_location="cpu", weights_only=False)
+        return _read(whole, "cpu", weights_only, "smp.resume_from_checkpoint")
     raise FileNotFoundError(
         f"smp.resume_from_checkpoint: no optimizer state for this rank in {folder} (looked for "
         f"{os.path.basename(chunk)} and {os.path.basename(whole)}); resume on the layout that saved it, or "
         "pass load_optimizer=False"
     )
+
+
+def _write(obj: Any, filename: str, **kwargs) -> None:
+    """torch.save, then fsync: the bytes are on disk before anything names them complete."""
+    with open(filename, "wb") as f:
+        torch.save(obj, f, **kwargs)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read(filename: str, map_location, weights_only: bool, caller: str) -> Any:
+    try:
+        return torch.load(filename, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise pickle.UnpicklingError(
+            f"{caller}: {filename} holds objects other than tensors and plain containers, and "
+            f"unpickling them could run code, so it was refused ({str(err).splitlines()[0]}). If you "
+            "wrote this file and trust it, pass weights_only=False"
+        ) from err
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(folder: str, final: str) -> None:
+    """Renames the complete `folder` to `final`; an older `final` (the same tag saved again) is
+    moved aside first and removed after, so one of the two exists at every moment."""
+    replaced = final + _REPLACED
+    shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, replaced)
+    os.rename(folder, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _replace_text(filename: str, text: str) -> None:
+    """Writes a small file atomically: a reader sees the old content or the new, never a part."""
+    tmp = filename + _INCOMPLETE
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, filename)
+    _fsync_dir(os.path.dirname(filename) or ".")
 
 
 def _folder(tag: str, partial: bool) -> str:
@@ -191,7 +266,6 @@ def _prune(path: str, newest: str, keep: int) -> None:
     ledger = os.path.join(path, "partial_checkpoints")
     tags = open(ledger).read().split() if os.path.exists(ledger) else []
     tags = [t for t in tags if t != newest] + [newest]
+    _replace_text(ledger, "\n".join(tags[-keep:]))  # first: a kill now only leaves extra folders
     for old in tags[:-keep]:
         shutil.rmtree(os.path.join(path, _folder(old, True)), ignore_errors=True)
-    with open(ledger, "w") as out:
-        out.write("\n".join(tags[-keep:]))
