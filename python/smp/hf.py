@@ -23,3 +23,18 @@ def call_defaults(module: torch.nn.Module) -> dict:
     except (TypeError, ValueError):
         return {}
     return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def save_pretrained(module: torch.nn.Module, state_dict: dict, directory: str, **kwargs) -> None:
+    """Writes `state_dict` (the full model's) with `module`'s config as transformers would.
+
+    The partitioned module holds only this rank's stage and shards, so the files are written
+    from a fresh copy of its class built on the meta device (no memory), given the full weights.
+    """
+    with torch.device("meta"):
+        fresh = type(module)(module.config)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None:
+        fresh.generation_config = generation
+    state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    fresh.save_pretrained(directory, state_dict=state, safe_serialization=True, **kwargs)

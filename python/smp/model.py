@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp import parallel_state, recompute
+from smp import hf, parallel_state, recompute
 from smp.engine import Engine
 from smp.optim import grad_norm
 from smp.pipeline import microbatch
@@ -206,6 +206,22 @@ class DistributedModel(nn.Module):
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine.load_state_dict(state_dict, strict)
         return None
+
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        """For a Hugging Face transformers model: writes the full, unsharded weights (safetensors)
+        and the model's config to `save_directory`, so `AutoModel.from_pretrained(save_directory)`
+        loads it in a plain process without smp. A collective: call it on every rank; global rank
+        0 writes. Keyword arguments go to transformers' `save_pretrained`."""
+        if not callable(getattr(self.module, "save_pretrained", None)):
+            raise TypeError(
+                f"smp: save_pretrained needs a Hugging Face transformers PreTrainedModel; the wrapped "
+                f"module is a {type(self.module).__name__}. Save its full weights with "
+                "smp.save(model.state_dict(), f, partial=False) instead"
+            )
+        full = self.state_dict()  # a collective over the stages and shards
+        if parallel_state.rank() == 0:
+            hf.save_pretrained(self.module, full, save_directory, **kwargs)
+        torch.distributed.barrier()
 
     def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return self.engine.local_part(param, full)

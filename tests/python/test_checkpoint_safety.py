@@ -156,3 +156,48 @@ def test_a_pickled_object_that_runs_code_is_refused(tmp_path):
         assert "pass weights_only=False" in out[key]
         assert not out[key + "_ran"]
     assert out["opt_in_ran"]
+
+
+def _export_gpt2(rank, world_size, folder):
+    import hf_cases
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        model = smp.DistributedModel(hf_cases.gpt2())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    @smp.step
+    def train_step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    @smp.step
+    def logits_of(ids):
+        return model(input_ids=ids, labels=ids).logits  # (the structure captured at the first step)
+
+    for s in range(2):
+        opt.zero_grad()
+        train_step(hf_cases.causal_batch(s, 8)["ids"])
+        opt.step()
+    model.eval()
+    ids = hf_cases.causal_batch(99, 8)["ids"]  # (the shapes captured at the first step)
+    logits = logits_of(ids).concat()
+    model.save_pretrained(folder)
+    smp.parallel_state.reset()
+    return ids.tolist(), logits.tolist()
+
+
+def test_save_pretrained_loads_in_plain_transformers(tmp_path):
+    """GPT-2 trained at pp2 x tp2, saved with save_pretrained, loaded by transformers without smp:
+    the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    ids, logits = run_ranks(_export_gpt2, 4, str(tmp_path), timeout=300)[0]
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        expected = plain(input_ids=torch.tensor(ids)).logits
+    torch.testing.assert_close(torch.tensor(logits), expected, rtol=1e-5, atol=1e-5)
