@@ -81,6 +81,20 @@ def test_hf_llama_and_gpt2_pp2_tp2_every_layer(capfd):
     assert out.count("recomputes 2 regions: transformer.h.2, transformer.h.3") == 1, out
 
 
+def test_manual_partition_region_split_at_the_stage_boundary(capfd):
+    """blocks.0-2 on stage 0, blocks.3 on stage 1 (manual); group_2 makes blocks.2-3 one region,
+    which spans the boundary: each stage recomputes its part, debug says so, parity holds."""
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "debug": True}
+    options = {"manual": {"blocks.3": 1, "ln_f": 1}, "checkpoint": {"blocks": "group_2"}}
+    results = run_ranks(pipeline_cases.train_smp, 2, "gpt", config, 3, 8, options, timeout=300)
+    for r in results:
+        assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, r
+    out = capfd.readouterr().out
+    assert "region blocks.2-3 spans stages [0, 1]: split at the boundary" in out, out
+    assert "stage 0 recomputes 2 regions: blocks.0-1, blocks.2" in out, out
+    assert "stage 1 recomputes 1 regions: blocks.3" in out, out
+
+
 def _bf16_delayed(rank, world_size, strategy):
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "bf16": True})
     torch.manual_seed(0)
