@@ -48,7 +48,7 @@ def install(rank: int, timeout_seconds: float) -> None:
         previous(kind, value, tb)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(130 if isinstance(value, KeyboardInterrupt) else 1)  # a shell's status for Ctrl-C
 
     sys.excepthook = excepthook
     _installed = True
@@ -59,7 +59,9 @@ def report_failure(error: BaseException) -> None:
     if _reported.is_set():
         return
     _reported.set()
-    text = f"rank {_rank} failed: {type(error).__name__}: {str(error)[:500]}"
+    # The notes say when (smp.step adds the step), so a report a script survived reads as old.
+    notes = "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
+    text = f"rank {_rank} failed: {type(error).__name__}: {str(error)[:500]}{notes[:300]}"
     with contextlib.suppress(Exception):  # the store may be gone (its host died): report nothing
         store = dist.distributed_c10d._get_default_store()
         # Only the first report stays: the root cause, not the failures it caused in other ranks.

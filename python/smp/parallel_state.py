@@ -123,13 +123,19 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
     topology = Topology(
         world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_order
     )
+    kept = _kept.pop((topology, group_timeout), None)
+    groups, messaging = kept if kept is not None else _create_groups(topology, rank, group_timeout)
+    _state = _State(cfg, topology, rank, local_rank, local_size, groups, messaging)
+    faults.install(rank, group_timeout.total_seconds())
+
+
+def _create_groups(topology: Topology, rank: int, timeout: datetime.timedelta):
     groups = {CommGroup.WORLD: dist.group.WORLD}
     for kind in CommGroup:
         if kind is not CommGroup.WORLD:
-            groups[kind] = _new_groups(topology, kind, rank, group_timeout)
-    messaging = dist.new_group(list(range(world_size)), backend=BACKEND_NAME, timeout=group_timeout)
-    _state = _State(cfg, topology, rank, local_rank, local_size, groups, messaging)
-    faults.install(rank, group_timeout.total_seconds())
+            groups[kind] = _new_groups(topology, kind, rank, timeout)
+    messaging = dist.new_group(list(range(topology.world_size)), backend=BACKEND_NAME, timeout=timeout)
+    return groups, messaging
 
 
 def _with_timeout(cfg: config_lib.Config, timeout: Any) -> config_lib.Config:
@@ -219,18 +225,32 @@ def parallel_groups() -> ParallelGroups:
     )
 
 
-def reset() -> None:
+# Groups a reset(keep_groups=True) left for the next smp.init of the same layout and timeout.
+_kept: dict[tuple[Topology, datetime.timedelta], tuple[dict, dist.ProcessGroup]] = {}
+
+
+def reset(keep_groups: bool = False) -> None:
     """Forgets smp's state so smp.init can run again, with another config, in this process.
 
     Destroys the groups smp created (a collective: call it on every rank); the default
-    process group stays.
+    process group stays. With keep_groups, they are kept instead, for a later smp.init with the
+    same layout and timeout (destroying and creating groups costs ~50 ms each: tests that
+    initialize thousands of times keep them).
     """
     global _state
     if _state is None:
         return
-    groups = [g for kind, g in _state.process_groups.items() if kind is not CommGroup.WORLD]
-    for group in dict.fromkeys(groups + [_state.messaging_group]):
-        dist.destroy_process_group(group)
+    if keep_groups:
+        key = (_state.topology, group_timeout_of(_state.config))
+        _kept[key] = (_state.process_groups, _state.messaging_group)
+        _state = None
+        return
+    kept = [(g, m) for g, m in _kept.values()]
+    _kept.clear()
+    for groups, messaging in [(_state.process_groups, _state.messaging_group), *kept]:
+        mine = [g for kind, g in groups.items() if kind is not CommGroup.WORLD]
+        for group in dict.fromkeys([*mine, messaging]):
+            dist.destroy_process_group(group)
     _state = None
 
 

@@ -107,7 +107,7 @@ def _fuzz(rank, world, n, seed):
         except Exception as e:
             raise AssertionError(f"config {i} {config!r}: {type(e).__name__}: {e}") from e
         outcomes["ok"] += 1
-        parallel_state.reset()
+        parallel_state.reset(keep_groups=True)  # the next init of this layout reuses its groups
     return outcomes
 
 

@@ -80,7 +80,7 @@ def _check_survivors(trial: dict, ranks: list[dict]) -> float:
 
 
 def _kill_trials(n: int, seed: int) -> list[dict]:
-    """n trials over both layouts, every victim and phase in turn, random steps; one in four
+    """n trials over both layouts, every victim and phase in turn, random steps; one in ten
     victims hangs (SIGSTOP) instead of dying, which only the group timeout can bound."""
     rng = random.Random(seed)
     trials = []
@@ -91,7 +91,7 @@ def _kill_trials(n: int, seed: int) -> list[dict]:
                 "victim": i % 4,
                 "phase": PHASES[(i * 5 + seed) % len(PHASES)],
                 "step": rng.randrange(STEPS),
-                "action": "stop" if i % 4 == 3 else "kill",
+                "action": "stop" if i % 10 == 3 else "kill",
             }
         )
     return trials
