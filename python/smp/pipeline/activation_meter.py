@@ -19,9 +19,14 @@ class _Saved:
         self.tensor = tensor
 
 
+def parameter_storages(parameters) -> set[int]:
+    """The storages of these parameters: a saved tensor in one of them is a weight, not an activation."""
+    return {p.untyped_storage().data_ptr() for p in parameters}
+
+
 class SavedActivationMeter:
     def __init__(self, parameters):
-        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._param_storages = parameter_storages(parameters)
         self._live: dict[int, list[int]] = {}  # storage -> [saved count, bytes]
         self.live_bytes = 0
         self.peak_bytes = 0

@@ -22,8 +22,7 @@ def take(root: nn.Module) -> list[nn.Module]:
                     layers.extend(child)
     for m in flagged:
         m.gradient_checkpointing = False
-    seen: set[int] = set()
-    return [m for m in layers if not (id(m) in seen or seen.add(id(m)))]
+    return list({id(m): m for m in layers}.values())  # once each, in model order
 
 
 def _checkpoints_itself(module: nn.Module) -> bool:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from smp.pipeline.activation_meter import parameter_storages
+
 
 class _Offloaded:
     """One saved tensor, on the host from the moment it is saved until it is fetched back."""
@@ -87,7 +89,7 @@ class ActivationOffloader:
 
     def _pack(self, tensor: torch.Tensor):
         if self._param_storages is None:
-            self._param_storages = {p.untyped_storage().data_ptr() for p in self._parameters()}
+            self._param_storages = parameter_storages(self._parameters())
         if not tensor.is_cuda or tensor.untyped_storage().data_ptr() in self._param_storages:
             return tensor
         if self._stream is None:

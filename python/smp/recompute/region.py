@@ -82,5 +82,4 @@ def checkpoint_chain(
             x = _run(functools.partial(run_group, group), (x,), {}, preserve_rng_state, offloader)
         return x
 
-    object.__setattr__(sequential, _ORIGINAL_FORWARD, sequential.forward)
     object.__setattr__(sequential, "forward", forward)

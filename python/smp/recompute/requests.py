@@ -8,6 +8,7 @@ import re
 
 from torch import nn
 
+from smp.passes.fx_utils import parent_path
 from smp.passes.regions import Region
 
 STRATEGIES = ("each", "contiguous", "group_N")
@@ -129,7 +130,7 @@ def span_label(paths: list[str]) -> str:
     """Module paths as a short label: ["blocks.2", "blocks.3"] -> "blocks.2-3"."""
     if len(paths) == 1 or not paths:
         return paths[0] if paths else ""
-    parents = {p.rsplit(".", 1)[0] if "." in p else "" for p in paths}
+    parents = {parent_path(p) for p in paths}
     tails = [p.rsplit(".", 1)[-1] for p in paths]
     if len(parents) == 1 and all(t.isdigit() for t in tails):
         indices = [int(t) for t in tails]

@@ -8,6 +8,7 @@ import dataclasses
 from torch import nn
 
 from smp import passes
+from smp.passes.fx_utils import parent_path
 
 # Below this share of the marked matrix bytes sharded, smp warns.
 WARN_BELOW = 0.8
@@ -57,8 +58,7 @@ def coverage(
     names: dict[int, list[str]] = {}  # a tied tensor has several names; the pass knows one
     tensors: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if p.dim() >= 2 and owner in marked:
+        if p.dim() >= 2 and parent_path(name) in marked:
             names.setdefault(id(p), []).append(name)
             tensors[id(p)] = p
     sharded, replicated = 0, []
@@ -77,11 +77,11 @@ def _reason(name: str, demoted: dict[str, str]) -> str:
     """Why the pass kept `name` whole: its own demotion, or its nearest demoted module's."""
     if name in demoted:
         return demoted[name]
-    path = name
-    while "." in path:
-        path = path.rsplit(".", 1)[0]
+    path = parent_path(name)
+    while path:
         if path in demoted:
             return demoted[path]
+        path = parent_path(path)
     if "<root>" in demoted:
         return demoted["<root>"]
     return "no tensor-parallel rule cuts the way it is used (not read as a linear or embedding weight)"
