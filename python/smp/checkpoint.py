@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
+from smp import checkpoint_storage as storage
 from smp import comm, parallel_state
+from smp.engine import model_state
 
 _NEWEST = "newest"
 _INCOMPLETE = ".incomplete"
@@ -42,9 +44,9 @@ def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> 
     which transformers passes) is accepted: the file is the same."""
     del v3
     if partial:
-        _write(obj, _partial_name(f), **kwargs)
+        storage.write(obj, _partial_name(f), **kwargs)
     elif not parallel_state.is_initialized() or parallel_state.rank() == 0:
-        _write(obj, f, **kwargs)
+        storage.write(obj, f, **kwargs)
 
 
 def load(
@@ -73,8 +75,10 @@ def save_checkpoint(
     num_kept_partial_checkpoints: int | None = None,
 ) -> None:
     """Writes model, optimizer and user content under `path/tag[_partial]` and records the tag as
-    newest. A collective: call it on every rank."""
-    del translate_if_full  # smp's full checkpoints already use the original module's keys
+    newest. A collective: call it on every rank. Either kind resumes on any layout: a partial
+    checkpoint is a torch.distributed.checkpoint folder (each rank writes its own slices), a full
+    one holds the whole model in one torch.save file (`model.pt`, a plain state_dict)."""
+    del translate_if_full  # smp's checkpoints already use the original module's keys
     model = model if model is not None else parallel_state.state().model
     final = os.path.join(path, _folder(tag, partial))
     folder = final + _INCOMPLETE  # nothing here counts until rank 0 renames it
@@ -82,18 +86,16 @@ def save_checkpoint(
         shutil.rmtree(folder, ignore_errors=True)  # left by a save that was killed
         os.makedirs(folder)
     comm.barrier()
-    if model is not None:
-        if partial:
-            if parallel_state.rdp_rank() == 0:
-                _write(model.local_state_dict(), os.path.join(folder, f"model_{_mp_suffix()}.pt"))
-        else:
-            full = model.state_dict()  # a collective over the model-parallel ranks
-            if parallel_state.rank() == 0:
-                _write(full, os.path.join(folder, "model.pt"))
-    if optimizer is not None:
-        _save_optimizer(optimizer, folder)
+    tensors, meta = _state_to_save(model, optimizer)
+    if partial:
+        storage.save(tensors, folder)
+    else:
+        storage.save_whole(tensors, folder)
+    metas: list[Any] = [None] * parallel_state.size()
+    torch.distributed.all_gather_object(metas, meta)  # small: hyperparameters and plain values
     if parallel_state.rank() == 0:
-        _write(user_content, os.path.join(folder, "user_content.pt"))
+        storage.write(_merge_meta(metas), os.path.join(folder, _META))
+        storage.write(user_content, os.path.join(folder, _USER_CONTENT))
     comm.barrier()  # every rank's files are written and synced
     if parallel_state.rank() == 0:
         _publish(folder, final)
@@ -114,10 +116,14 @@ def resume_from_checkpoint(
     weights_only: bool = True,
 ) -> Any:
     """Loads a checkpoint written by save_checkpoint (the newest when tag is None) into the
-    DistributedModel and its DistributedOptimizer; returns the user content. Files hold tensors
-    and plain containers; user content with other objects needs `weights_only=False` (trusted
-    files only: unpickling them may run code)."""
-    del translate_function  # checkpoints hold the original module's keys: nothing to translate
+    DistributedModel and its DistributedOptimizer, whatever layout wrote it; returns the user
+    content. Files hold tensors and plain containers; user content with other objects needs
+    `weights_only=False` (trusted files only: unpickling them may run code).
+
+    `load_sharded_optimizer_state` is accepted for SMP v1 scripts: any optimizer state resumes on
+    any layout, sharded or not. `translate_function` is accepted too: checkpoints hold the
+    original module's keys, so there is nothing to translate."""
+    del translate_function, load_sharded_optimizer_state
     model = parallel_state.state().model
     if model is None:
         raise RuntimeError(
@@ -134,7 +140,6 @@ def resume_from_checkpoint(
     folder = os.path.join(path, _folder(tag, partial))
     if not os.path.exists(folder) and os.path.exists(folder + _REPLACED):
         folder += _REPLACED  # a save of the same tag was killed between its two renames
-    model_file = os.path.join(folder, f"model_{_mp_suffix()}.pt" if partial else "model.pt")
     if not partial and os.path.isfile(folder):
         # SMP also resumed a full checkpoint that is one state_dict file, `path/tag`: transformers'
         # Trainer resumes its pytorch_model.bin this way (with load_optimizer=False).
@@ -143,68 +148,89 @@ def resume_from_checkpoint(
             lambda model, optimizer: model.load_state_dict(model_state, strict)
         )
         return None
-    if not os.path.exists(model_file):
-        raise FileNotFoundError(
-            f"smp.resume_from_checkpoint: {model_file} does not exist; a partial checkpoint resumes only on "
-            "the layout that wrote it (same pipeline and tensor parallel degrees); save with partial=False "
-            "to change layouts"
-        )
-    model_state = _read(model_file, "cpu", weights_only, "smp.resume_from_checkpoint")
-    optimizer_state = None
-    if load_optimizer and model.engine.optimizer is not None:
-        optimizer_state = _load_optimizer(folder, load_sharded_optimizer_state, weights_only)
+    meta_file = os.path.join(folder, _META)
+    if not os.path.exists(meta_file):
+        other = os.path.join(path, _folder(tag, not partial))
+        hint = f" ({other} exists: pass partial={not partial})" if os.path.exists(other) else ""
+        raise FileNotFoundError(f"smp.resume_from_checkpoint: {meta_file} does not exist{hint}")
+    meta = _read(meta_file, None, True, "smp.resume_from_checkpoint")
     user_content = _read(
-        os.path.join(folder, "user_content.pt"), None, weights_only, "smp.resume_from_checkpoint"
+        os.path.join(folder, _USER_CONTENT), None, weights_only, "smp.resume_from_checkpoint"
     )
+    source = storage.Reader(folder, whole=not partial)  # opened now: a torn folder fails here
 
     def apply(model, optimizer) -> None:
-        if partial:
-            model.module.load_state_dict(model_state, strict=strict)
-        else:
-            model.load_state_dict(model_state, strict=strict)
-        if optimizer is not None and optimizer_state is not None:
-            optimizer.load_state_dict(optimizer_state)
+        places = model.engine.state_places()
+        items, install = {}, None
+        if load_optimizer and optimizer is not None:
+            if meta.get("optimizer") is None:
+                raise ValueError(
+                    f"smp.resume_from_checkpoint: {folder} holds no optimizer state; "
+                    "pass load_optimizer=False"
+                )
+            # first: the optimizer may move the parameters into its flat buffers
+            items, install = optimizer.checkpoint_destinations(places, source.stored("optimizer/"))
+        items |= _model_destinations(model, places, source, strict)
+        source.load(items)
+        if install is not None:
+            install(meta["optimizer"])
 
     model.register_post_partition_hook(apply)
     return user_content
 
 
-# --- files ------------------------------------------------------------------------------------
+# --- what a checkpoint holds -----------------------------------------------------------------
+
+_META = "smp_meta.pt"
+_USER_CONTENT = "user_content.pt"
+_MODEL = storage.MODEL_PREFIX
 
 
-def _save_optimizer(optimizer, folder: str) -> None:
-    sharded = optimizer.sharded
-    if sharded:  # every rank owns a chunk
-        _write(
-            optimizer.local_state_dict(),
-            os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt"),
+def _state_to_save(model, optimizer) -> tuple[dict[str, Any], dict]:
+    """(the tensors this rank writes, keyed for the checkpoint; this rank's metadata)."""
+    tensors: dict[str, Any] = {}
+    meta: dict = {"format": 1, "optimizer": None}
+    if model is None:
+        return tensors, meta
+    places = model.engine.state_places()
+    if optimizer is not None:  # first: it may move the parameters into its flat buffers
+        tensors, meta["optimizer"] = optimizer.checkpoint_state(places)
+    tensors |= {_MODEL + k: v for k, v in model_state.model_slices(places, for_save=True).items()}
+    return tensors, meta
+
+
+def _merge_meta(metas: list[dict]) -> dict:
+    """One metadata for the checkpoint: the ranks agree on everything but each parameter's plain
+    values, which only the rank writing that parameter reports."""
+    merged = dict(metas[0])
+    if merged.get("optimizer") is not None:
+        values: dict = {}
+        for meta in metas:
+            values |= meta["optimizer"]["values"]
+        merged["optimizer"] = {**merged["optimizer"], "values": values}
+    return merged
+
+
+def _model_destinations(model, places, source, strict: bool) -> dict[str, Any]:
+    """The model's tensors to fill from `source` (all this rank holds), after checking keys."""
+    wanted = model_state.model_slices(places, for_save=False)
+    stored = {k[len(_MODEL) :] for k in source.stored(_MODEL)}
+    missing = sorted(set(wanted) - stored)
+    unexpected = sorted(stored - set(model.engine.state_keys))
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"smp.resume_from_checkpoint: the checkpoint lacks {missing[:5]} and has keys this model does "
+            f"not {unexpected[:5]}; pass strict=False to load the keys both have"
         )
-        return
-    state = optimizer.rank_state_dict()  # one file per model-parallel rank: its own part
-    if parallel_state.rdp_rank() == 0:
-        _write(state, os.path.join(folder, f"optimizer_{_mp_suffix()}.pt"))
-
-
-def _load_optimizer(folder: str, sharded_ok: bool, weights_only: bool):
-    chunk = os.path.join(folder, f"optimizer_{_mp_suffix()}_{parallel_state.rdp_rank()}.pt")
-    whole = os.path.join(folder, f"optimizer_{_mp_suffix()}.pt")
-    if os.path.exists(chunk) and sharded_ok:
-        return _read(chunk, "cpu", weights_only, "smp.resume_from_checkpoint")
-    if os.path.exists(whole):
-        return _read(whole, "cpu", weights_only, "smp.resume_from_checkpoint")
-    raise FileNotFoundError(
-        f"smp.resume_from_checkpoint: no optimizer state for this rank in {folder} (looked for "
-        f"{os.path.basename(chunk)} and {os.path.basename(whole)}); resume on the layout that saved it, or "
-        "pass load_optimizer=False"
-    )
-
-
-def _write(obj: Any, filename: str, **kwargs) -> None:
-    """torch.save, then fsync: the bytes are on disk before anything names them complete."""
-    with open(filename, "wb") as f:
-        torch.save(obj, f, **kwargs)
-        f.flush()
-        os.fsync(f.fileno())
+    for name, slices in wanted.items():
+        if name in stored:
+            shape = source.stored(_MODEL + name)[_MODEL + name][0]
+            if tuple(shape) != tuple(slices.global_shape):
+                raise ValueError(
+                    f"smp.resume_from_checkpoint: {name} has shape {tuple(shape)} in the checkpoint and "
+                    f"{tuple(slices.global_shape)} in this model"
+                )
+    return {_MODEL + k: v for k, v in wanted.items() if k in stored}
 
 
 def _read(filename: str, map_location, weights_only: bool, caller: str) -> Any:
@@ -251,10 +277,6 @@ def _replace_text(filename: str, text: str) -> None:
 
 def _folder(tag: str, partial: bool) -> str:
     return f"{tag}_partial" if partial else tag
-
-
-def _mp_suffix() -> str:
-    return f"{parallel_state.pp_rank()}_{parallel_state.tp_rank()}"
 
 
 def _partial_name(f: str) -> str:

@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from smp import model as model_lib
 from smp import parallel_state
 from smp import params as param_facts
-from smp.optim import grad_norm
+from smp.optim import grad_norm, layout_free
 from smp.optim.flat_state import FlatState
 from smp.optim.loss_scale import LossScaler, any_rank
 
@@ -211,6 +211,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif self._flat is not None:
             state = self._flat.chunk_state(state)
         self.optimizer.load_state_dict(state)
+
+    def checkpoint_state(self, places) -> tuple[dict, dict]:
+        """(the tensors this rank writes to a layout-free checkpoint, under the model's parameter
+        names in global coordinates; the plain values and hyperparameters, the same on every rank
+        after merging). `places` is the model's StatePlaces."""
+        self._localize()
+        tensors, values = layout_free.export(self.optimizer, self._flat, places, self.sharded)
+        meta = {"param_groups": layout_free.hyperparameters(self.optimizer), "values": values}
+        return tensors, meta | self._scaler_state()
+
+    def checkpoint_destinations(self, places, stored):
+        """(what this rank reads from a layout-free checkpoint whose tensors have the shapes and
+        dtypes in `stored`; a function that installs it, given the checkpoint's metadata)."""
+        self._localize()
+        items, install_state = layout_free.destinations(self.optimizer, self._flat, places, stored)
+
+        def install(meta: dict) -> None:
+            layout_free.load_hyperparameters(self.optimizer, meta["param_groups"])
+            if "smp_loss_scaler" in meta:
+                self._scaler.load_state_dict(meta["smp_loss_scaler"])
+            install_state(meta["values"])
+
+        return items, install
 
     def add_param_group(self, param_group) -> None:
         if self._flat is not None:

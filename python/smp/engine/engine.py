@@ -378,6 +378,10 @@ class Engine:
     def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return model_state.local_part(param, full, self.shard_specs, self.groups)
 
+    def state_places(self) -> model_state.StatePlaces:
+        """Where this rank's tensors sit in the original model (a collective over the pipeline group)."""
+        return model_state.state_places(self.module, self.state_keys, self.shard_specs, self.groups)
+
     # --- saved activations ---------------------------------------------------------------
 
     def track_saved_activations(self, enabled: bool) -> None:

@@ -7,6 +7,7 @@ group and the stages over the pipeline group, under the module's own keys.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from smp import passes
 from smp.parallel_state import ParallelGroups
+from smp.sliced import Placement, Slices
 
 
 def local_part(
@@ -84,3 +86,68 @@ def _unsharded_local_state(
             t = spec.full(parts)
         state[key] = t.cpu()
     return state
+
+
+# --- layout-free state (checkpoints that move between layouts) ----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlaces:
+    """Where this rank's tensors sit in the original model: each state_dict entry's key and
+    placement, each parameter's canonical name (the first of its names in the original module's
+    order, so tied weights have one name on every layout), and which entries this rank writes so
+    that every element of the model is written exactly once."""
+
+    entries: tuple[tuple[str, torch.Tensor, Placement], ...]  # (key, local tensor, placement)
+    names: Mapping[int, str]  # id(parameter) -> canonical name
+    placements: Mapping[int, Placement]  # id(parameter) -> placement
+    stage_writes: frozenset[str]  # keys the lowest stage holding them writes: this stage's
+    tp_rank: int
+    rdp_rank: int
+
+    def writes(self, key: str, placement: Placement, per_replica_chunk: bool = False) -> bool:
+        """Whether this rank writes `key`: its lowest stage, every tensor-parallel rank of a sharded
+        tensor (tp rank 0 of a replicated one), and the first replica unless each replica holds a
+        chunk of its own (sharded optimizer state)."""
+        return (
+            key in self.stage_writes
+            and (placement.spec is not None or self.tp_rank == 0)
+            and (per_replica_chunk or self.rdp_rank == 0)
+        )
+
+
+def state_places(
+    module: nn.Module, keys: list[str], specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
+) -> StatePlaces:
+    """This rank's StatePlaces (a collective over the pipeline group: which stage holds which keys)."""
+    order = {k: i for i, k in enumerate(keys)}
+    entries, names, placements = [], {}, {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        placement = Placement.of(t.shape, specs.get(id(t)), groups.tp_rank, groups.tp_size)
+        entries.append((key, t, placement))
+        placements[id(t)] = placement
+        if id(t) not in names or order.get(key, len(order)) < order.get(names[id(t)], len(order)):
+            names[id(t)] = key
+    held: list[Any] = [None] * groups.pp_size
+    mine = sorted(k for k, _, _ in entries)
+    if groups.pp_size > 1:
+        dist.all_gather_object(held, mine, group=groups.pp)
+    else:
+        held = [mine]
+    first = {}
+    for stage, stage_keys in enumerate(held):
+        for k in stage_keys:
+            first.setdefault(k, stage)
+    writes = frozenset(k for k in mine if first[k] == groups.pp_rank)
+    return StatePlaces(tuple(entries), names, placements, writes, groups.tp_rank, groups.rdp_rank)
+
+
+def model_slices(places: StatePlaces, for_save: bool) -> dict[str, Slices]:
+    """The model's entries as Slices of views of this rank's tensors: those it writes (for_save),
+    or all it holds (to load into)."""
+    items = {}
+    for key, t, placement in places.entries:
+        if for_save and not places.writes(key, placement):
+            continue
+        items[key] = Slices(placement.global_shape, t.dtype).add_local(t.detach(), placement)
+    return items

@@ -1,0 +1,194 @@
+"""Where checkpoint tensors go: torch.distributed.checkpoint (DCP) folders for partial
+checkpoints, one torch.save file of whole tensors for full ones. Both read back into `Slices`
+on any layout.
+
+DCP is the ecosystem's format for sharded state: each rank writes its own file, a `.metadata`
+file records every chunk's global coordinates, and a reader on another layout reads just the
+chunks its slices overlap; users' tools (`torch.distributed.checkpoint.format_utils`) work on
+it. Two parts of DCP's reading would unpickle arbitrary objects, and smp reads neither that way:
+the `.metadata` file is unpickled with only DCP's own metadata classes allowed, and values
+stored as pickled bytes (smp writes none) are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from smp import parallel_state
+from smp.sliced import Slices, assemble
+
+_MODEL_FILE = "model.pt"  # a full checkpoint's model: a plain state_dict, loadable without smp
+_OPTIMIZER_FILE = "optimizer.pt"
+MODEL_PREFIX = "model/"  # a model tensor's key: MODEL_PREFIX + its state_dict key
+_MODEL = MODEL_PREFIX
+
+
+def save(tensors: dict[str, Any], folder: str) -> None:
+    """Writes this rank's tensors into the DCP folder (a collective over the world)."""
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner())
+
+
+def save_whole(tensors: dict[str, Any], folder: str) -> None:
+    """Gathers every rank's slices to global rank 0, which writes whole tensors (a collective)."""
+    mine = []
+    for key, value in tensors.items():
+        if isinstance(value, Slices):
+            # clones: a view pickles its whole storage (a flat buffer, say)
+            pieces = [(off, view.detach().cpu().clone()) for off, view in value.pieces]
+            mine.append((key, tuple(value.global_shape), value.dtype, pieces))
+        else:
+            mine.append((key, tuple(value.shape), value.dtype, [((0,) * value.dim(), value.detach().cpu())]))
+    gathered: list[Any] | None = [None] * parallel_state.size() if parallel_state.rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if parallel_state.rank() != 0:
+        return
+    by_key: dict[str, tuple] = {}
+    for part in gathered:
+        for key, shape, dtype, pieces in part:
+            by_key.setdefault(key, (shape, dtype, []))[2].extend(pieces)
+    whole = {key: assemble(pieces, shape, dtype) for key, (shape, dtype, pieces) in by_key.items()}
+    model = {k[len(_MODEL) :]: v for k, v in whole.items() if k.startswith(_MODEL)}
+    others = {k: v for k, v in whole.items() if not k.startswith(_MODEL)}
+    write(model, os.path.join(folder, _MODEL_FILE))
+    write(others, os.path.join(folder, _OPTIMIZER_FILE))
+
+
+class Reader:
+    """A checkpoint's tensors: which there are (`stored`) and reading slices of them (`load`)."""
+
+    def __init__(self, folder: str, whole: bool):
+        self.folder = folder
+        self.whole = whole
+        if whole:
+            self._tensors = {_MODEL + k: v for k, v in _read_whole(os.path.join(folder, _MODEL_FILE)).items()}
+            optimizer_file = os.path.join(folder, _OPTIMIZER_FILE)
+            if os.path.exists(optimizer_file):
+                self._tensors |= _read_whole(optimizer_file)
+            self._shapes = {k: (v.shape, v.dtype) for k, v in self._tensors.items()}
+        else:
+            self._reader = _SafeReader(folder)
+            metadata = self._reader.read_metadata()
+            self._shapes = {
+                k: (md.size, md.properties.dtype)
+                for k, md in metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)
+            }
+
+    def stored(self, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return {k: v for k, v in self._shapes.items() if k.startswith(prefix)}
+
+    def load(self, items: dict[str, Any]) -> None:
+        """Fills `items` (Slices, or whole tensors) in place. A partial checkpoint's load is a
+        collective over the world; a full one's reads the file every rank memory-maps."""
+        if not self.whole:
+            dcp.load(items, storage_reader=_SafeReader(self.folder), planner=_NoPickleLoadPlanner())
+            return
+        with torch.no_grad():
+            for key, dest in items.items():
+                source = self._tensors[key]
+                if isinstance(dest, Slices):
+                    dest.fill_from(source)
+                else:
+                    dest.copy_(source)
+
+
+def write(obj: Any, filename: str, **kwargs) -> None:
+    """torch.save, then fsync: the bytes are on disk before anything names them complete."""
+    with open(filename, "wb") as f:
+        torch.save(obj, f, **kwargs)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_whole(filename: str) -> dict[str, torch.Tensor]:
+    # mmap: a rank touches only the pages of the slices it takes
+    return torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
+
+
+# --- reading DCP without unpickling arbitrary objects ---------------------------------------
+
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("torch.serialization", "_get_layout"),  # a torch.layout by its name
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's metadata classes, torch dtypes and sizes; refuses every other global."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module in _METADATA_MODULES
+            or (module, name) in _METADATA_GLOBALS
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout))
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.memory_format))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"smp: the checkpoint's .metadata names {module}.{name}, which is not part of "
+                "torch.distributed.checkpoint's metadata; it was refused (unpickling it could run code)"
+            )
+        return super().find_class(module, name)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(str(self.path), ".metadata")
+        with open(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"smp: {path} does not hold checkpoint metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SavePlanner(dcp.DefaultSavePlanner):
+    def lookup_object(self, index):
+        # DCP finds a chunk by offset only in tensors; Slices answer for theirs
+        obj = self.state_dict.get(index.fqn)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_object(index)
+
+
+class _NoPickleLoadPlanner(dcp.DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner first rebuilds the dict's meta tensors (smp passes none) and, doing
+        # so, replaces values of types it does not know, such as Slices, with None.
+        self.original_state_dict = state_dict
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index):
+        obj = self.state_dict.get(index.fqn)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise pickle.UnpicklingError(
+            f"smp: the checkpoint stores {read_item.dest_index.fqn} as a pickled object, which smp "
+            "never writes; it was refused (unpickling it could run code)"
+        )
