@@ -14,16 +14,17 @@ from harness import run_ranks
 from torch import nn
 
 TAGS = ["t1", "t2", "t1", "t3", "t4"]  # t1 twice: saving a tag again replaces it
-EXPECTED = {"model_0_0.pt", "optimizer_0_0.pt", "user_content.pt"}
+EXPECTED = {".metadata", "__0_0.distcp", "smp_meta.pt", "user_content.pt"}  # DCP's files, then smp's
 
 
 def _saving_child(folder: str, kill_at: int) -> None:
     """Trains one step, then saves checkpoints in a loop; SIGKILLs itself at the kill_at-th file
-    write, rename or removal the saves make (counted from the first save)."""
+    write, fsync, rename or removal the saves make (counted from the first save; DCP's own writes
+    are counted by their fsyncs)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a plain process: smp runs as a world of one
     import smp
-    from smp import checkpoint
+    from smp import checkpoint_storage
 
     smp.init({})
     torch.manual_seed(0)
@@ -48,8 +49,9 @@ def _saving_child(folder: str, kill_at: int) -> None:
 
         return run
 
-    checkpoint._write = counted(checkpoint._write)
+    checkpoint_storage.write = counted(checkpoint_storage.write)
     os.rename, os.replace, shutil.rmtree = counted(os.rename), counted(os.replace), counted(shutil.rmtree)
+    os.fsync = counted(os.fsync)
     while True:
         for tag in TAGS:
             smp.save_checkpoint(folder, tag, model=model, optimizer=opt, user_content={"tag": tag})
@@ -67,8 +69,13 @@ def _check(folder: str) -> str | None:
         assert os.path.isdir(path + ".replaced"), (tag, sorted(os.listdir(folder)))
         path += ".replaced"  # killed between the two renames of a re-save; resume reads it
     assert set(os.listdir(path)) == EXPECTED, (tag, os.listdir(path))
-    for name in EXPECTED:
-        torch.load(os.path.join(path, name), weights_only=True)
+    from smp import checkpoint_storage
+
+    reader = checkpoint_storage.Reader(path, whole=False)
+    stored = reader.stored("")
+    assert any(k.startswith("model/") for k in stored) and any(k.startswith("optimizer/") for k in stored)
+    reader.load({k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in stored.items()})  # every byte
+    torch.load(os.path.join(path, "smp_meta.pt"), weights_only=True)
     assert torch.load(os.path.join(path, "user_content.pt"), weights_only=True) == {"tag": tag}
     return tag
 
@@ -145,6 +152,17 @@ def _unsafe(rank, world_size, folder):
         out[key + "_ran"] = os.path.exists(marker)
     smp.resume_from_checkpoint(folder, weights_only=False)  # the explicit opt-in loads it
     out["opt_in_ran"] = os.path.exists(marker)
+    os.remove(marker)
+    # DCP's .metadata is a pickle: a doctored one is refused whatever weights_only says
+    smp.save_checkpoint(folder, "doctored", model=model, optimizer=opt, user_content=None)
+    with open(os.path.join(folder, "doctored_partial", ".metadata"), "wb") as f:
+        pickle.dump(_RunsCode(marker), f)
+    try:
+        smp.resume_from_checkpoint(folder, tag="doctored", weights_only=False)
+        out["metadata"] = "loaded"
+    except pickle.UnpicklingError as err:
+        out["metadata"] = str(err)
+    out["metadata_ran"] = os.path.exists(marker)
     smp.parallel_state.reset()
     return out
 
@@ -156,6 +174,8 @@ def test_a_pickled_object_that_runs_code_is_refused(tmp_path):
         assert "pass weights_only=False" in out[key]
         assert not out[key + "_ran"]
     assert out["opt_in_ran"]
+    assert "is not part of torch.distributed.checkpoint's metadata" in out["metadata"], out["metadata"]
+    assert not out["metadata_ran"]
 
 
 def _export_gpt2(rank, world_size, folder):
