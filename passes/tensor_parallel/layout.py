@@ -37,7 +37,14 @@ class ShardSpec:
 
     def local(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         parts = full.unflatten(self.dim, (self.blocks, -1))
-        return parts.chunk(size, dim=self.dim + 1)[rank].flatten(self.dim, self.dim + 1).contiguous()
+        shard = parts.chunk(size, dim=self.dim + 1)[rank].flatten(self.dim, self.dim + 1).contiguous()
+        # A slice of leading rows is already contiguous: a view that would keep the whole
+        # weight's storage alive for as long as the shard lives. Own memory instead.
+        return (
+            shard.clone()
+            if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            else shard
+        )
 
     def full(self, shards: list[torch.Tensor]) -> torch.Tensor:
         parts = [s.unflatten(self.dim, (self.blocks, -1)) for s in shards]
