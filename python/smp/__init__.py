@@ -7,7 +7,7 @@ SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 from smp import amp, ops  # amp.GradScaler; ops registers the tensor-parallel ops' fake kernels
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
-from smp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
+from smp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint, wait_for_checkpoint
 from smp.comm import (
     allgather,
     barrier,
@@ -132,6 +132,7 @@ __all__ = [
     "resume_from_checkpoint",
     "save",
     "save_checkpoint",
+    "wait_for_checkpoint",
     "local_rank",
     "local_size",
     "mp_barrier",

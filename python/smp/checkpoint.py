@@ -21,9 +21,11 @@ that needs more (e.g. an argparse Namespace in user_content) loads only when you
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
+import threading
 from typing import Any
 
 import torch
@@ -73,12 +75,19 @@ def save_checkpoint(
     user_content: Any = None,
     translate_if_full: bool = True,
     num_kept_partial_checkpoints: int | None = None,
-) -> None:
+    async_save: bool = False,
+) -> PendingSave | None:
     """Writes model, optimizer and user content under `path/tag[_partial]` and records the tag as
     newest. A collective: call it on every rank. Either kind resumes on any layout: a partial
     checkpoint is a torch.distributed.checkpoint folder (each rank writes its own slices), a full
-    one holds the whole model in one torch.save file (`model.pt`, a plain state_dict)."""
+    one holds the whole model in one torch.save file (`model.pt`, a plain state_dict).
+
+    With `async_save=True` (smp's own argument) the state is copied to host memory and the files
+    are written by a background thread while training goes on; the returned PendingSave's wait()
+    returns once the checkpoint is complete and named newest. The next save_checkpoint or
+    resume_from_checkpoint waits for it; so must the script before it exits."""
     del translate_if_full  # smp's checkpoints already use the original module's keys
+    wait_for_checkpoint()
     model = model if model is not None else parallel_state.state().model
     final = os.path.join(path, _folder(tag, partial))
     folder = final + _INCOMPLETE  # nothing here counts until rank 0 renames it
@@ -87,22 +96,89 @@ def save_checkpoint(
         os.makedirs(folder)
     comm.barrier()
     tensors, meta = _state_to_save(model, optimizer)
-    if partial:
-        storage.save(tensors, folder)
-    else:
-        storage.save_whole(tensors, folder)
     metas: list[Any] = [None] * parallel_state.size()
     torch.distributed.all_gather_object(metas, meta)  # small: hyperparameters and plain values
-    if parallel_state.rank() == 0:
-        storage.write(_merge_meta(metas), os.path.join(folder, _META))
-        storage.write(user_content, os.path.join(folder, _USER_CONTENT))
-    comm.barrier()  # every rank's files are written and synced
-    if parallel_state.rank() == 0:
-        _publish(folder, final)
-        _replace_text(os.path.join(path, _NEWEST), tag)
-        if partial and num_kept_partial_checkpoints:
-            _prune(path, tag, num_kept_partial_checkpoints)
-    comm.barrier()
+    keep = num_kept_partial_checkpoints
+    job = _SaveJob(path, tag, partial, folder, final, keep, tensors, _merge_meta(metas), user_content)
+    if not async_save:
+        job.run(None)
+        return None
+    global _pending
+    job.tensors = storage.staged(tensors)  # the training may change the live tensors from now on
+    _pending = PendingSave(job, parallel_state.checkpoint_group())
+    return _pending
+
+
+def wait_for_checkpoint() -> None:
+    """Waits for a checkpoint being written in the background (async_save) and raises its error."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.wait()
+
+
+class PendingSave:
+    """A checkpoint written by a background thread: wait() returns when it is complete and newest."""
+
+    def __init__(self, job: _SaveJob, group):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(job, group), name="smp-checkpoint")
+        self._thread.start()
+
+    def _run(self, job: _SaveJob, group) -> None:
+        try:
+            job.run(group)
+        except BaseException as err:  # handed to the training thread by wait()
+            self._error = err
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(
+                f"smp: a checkpoint saved in the background failed: {self._error}"
+            ) from self._error
+
+
+_pending: PendingSave | None = None
+
+
+@dataclasses.dataclass
+class _SaveJob:
+    path: str
+    tag: str
+    partial: bool
+    folder: str
+    final: str
+    keep: int | None
+    tensors: dict[str, Any]
+    meta: dict
+    user_content: Any
+
+    def run(self, group) -> None:
+        """Writes the files, then (rank 0, once every rank's are synced) publishes the checkpoint.
+        A collective over `group` (None: the world's default group)."""
+        if self.partial:
+            storage.save(self.tensors, self.folder, group)
+        else:
+            storage.save_whole(self.tensors, self.folder, group)
+        rank0 = torch.distributed.get_rank() == 0
+
+        def barrier() -> None:
+            comm.barrier() if group is None else torch.distributed.barrier(group=group)
+
+        if rank0:
+            storage.write(self.meta, os.path.join(self.folder, _META))
+            storage.write(self.user_content, os.path.join(self.folder, _USER_CONTENT))
+        barrier()  # every rank's files are written and synced
+        if rank0:
+            _publish(self.folder, self.final)
+            _replace_text(os.path.join(self.path, _NEWEST), self.tag)
+            if self.partial and self.keep:
+                _prune(self.path, self.tag, self.keep)
+        barrier()
 
 
 def resume_from_checkpoint(
@@ -124,6 +200,7 @@ def resume_from_checkpoint(
     any layout, sharded or not. `translate_function` is accepted too: checkpoints hold the
     original module's keys, so there is nothing to translate."""
     del translate_function, load_sharded_optimizer_state
+    wait_for_checkpoint()
     model = parallel_state.state().model
     if model is None:
         raise RuntimeError(

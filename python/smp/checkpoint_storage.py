@@ -31,13 +31,15 @@ MODEL_PREFIX = "model/"  # a model tensor's key: MODEL_PREFIX + its state_dict k
 _MODEL = MODEL_PREFIX
 
 
-def save(tensors: dict[str, Any], folder: str) -> None:
-    """Writes this rank's tensors into the DCP folder (a collective over the world)."""
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner())
+def save(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None = None) -> None:
+    """Writes this rank's tensors into the DCP folder (a collective over `group`, the world's)."""
+    writer = dcp.FileSystemWriter(folder, sync_files=True)
+    dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group)
 
 
-def save_whole(tensors: dict[str, Any], folder: str) -> None:
-    """Gathers every rank's slices to global rank 0, which writes whole tensors (a collective)."""
+def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None = None) -> None:
+    """Gathers every rank's slices to global rank 0, which writes whole tensors (a collective
+    over `group`, the world's)."""
     mine = []
     for key, value in tensors.items():
         if isinstance(value, Slices):
@@ -47,7 +49,7 @@ def save_whole(tensors: dict[str, Any], folder: str) -> None:
         else:
             mine.append((key, tuple(value.shape), value.dtype, [((0,) * value.dim(), value.detach().cpu())]))
     gathered: list[Any] | None = [None] * parallel_state.size() if parallel_state.rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    dist.gather_object(mine, gathered, dst=0, group=group)
     if parallel_state.rank() != 0:
         return
     by_key: dict[str, tuple] = {}
@@ -59,6 +61,19 @@ def save_whole(tensors: dict[str, Any], folder: str) -> None:
     others = {k: v for k, v in whole.items() if not k.startswith(_MODEL)}
     write(model, os.path.join(folder, _MODEL_FILE))
     write(others, os.path.join(folder, _OPTIMIZER_FILE))
+
+
+def staged(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Host copies of `tensors` (Slices or tensors), for writing while training changes the originals."""
+    copies: dict[str, Any] = {}
+    for key, value in tensors.items():
+        if isinstance(value, Slices):
+            copy = Slices(value.global_shape, value.dtype)
+            copy.pieces = [(offsets, view.detach().to("cpu", copy=True)) for offsets, view in value.pieces]
+            copies[key] = copy
+        else:
+            copies[key] = value.detach().to("cpu", copy=True)
+    return copies
 
 
 class Reader:

@@ -36,6 +36,8 @@ class _State:
     # A world group of its own for object messaging, so it never interleaves with
     # the user's point-to-point traffic on the default group.
     messaging_group: dist.ProcessGroup
+    # A world group for checkpoints written by a background thread (created at the first).
+    checkpoint_group: dist.ProcessGroup | None = None
     # The script's smp.DistributedModel (SMP v1 allows one per process): how @smp.step and
     # smp.DistributedOptimizer, whose SMP signatures name no model, find it.
     model: DistributedModel | None = None
@@ -240,6 +242,8 @@ def reset(keep_groups: bool = False) -> None:
     global _state
     if _state is None:
         return
+    if _state.checkpoint_group is not None:
+        dist.destroy_process_group(_state.checkpoint_group)
     if keep_groups:
         key = (_state.topology, group_timeout_of(_state.config))
         _kept[key] = (_state.process_groups, _state.messaging_group)
@@ -275,6 +279,18 @@ def local_size() -> int:
 
 def num_microbatches() -> int:
     return state().config.microbatches
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """A world group of its own for checkpoints written by a background thread, so that their
+    collectives never interleave with the training's. Created at the first call: a collective,
+    which every rank makes at its first background save."""
+    current = state()
+    if current.checkpoint_group is None:
+        ranks = list(range(current.topology.world_size))
+        timeout = group_timeout_of(current.config)
+        current.checkpoint_group = dist.new_group(ranks, backend=BACKEND_NAME, timeout=timeout)
+    return current.checkpoint_group
 
 
 def process_group(kind: CommGroup) -> dist.ProcessGroup:

@@ -81,8 +81,8 @@ def _resume_on(smp, config, folder, partial, expected):
 
 
 def _save_and_resume(rank, world_size, folder):
-    """For each transition: 4 uninterrupted steps on the saving layout; 2 steps, saved partial and
-    full; each resumed on each target layout for the last 2 steps."""
+    """For each transition: 4 uninterrupted steps on the saving layout; 2 steps, saved full and
+    partial (one of them in the background); each resumed on each target layout for the last 2."""
     import smp
 
     results = []
@@ -96,15 +96,21 @@ def _save_and_resume(rank, world_size, folder):
         smp.init(source)
         dmodel, opt, train = _build(smp)
         train(range(2))
-        for partial in (True, False):
-            smp.save_checkpoint(
+        for partial in (False, True):
+            # rdp4's partial save is written in the background while a third step changes the
+            # live state: what resumes must still be step 2's (the full checkpoint shows it)
+            pending = smp.save_checkpoint(
                 f"{folder}/{i}",
                 "step2",
                 partial=partial,
                 model=dmodel,
                 optimizer=opt,
                 user_content={"step": 2},
+                async_save=partial and source is RDP4_SHARDED,
             )
+        if pending is not None:
+            train(range(2, 3))
+            pending.wait()
         smp.parallel_state.reset()
         if rank == 0:
             torch.save(expected, f"{folder}/{i}/expected.pt")
