@@ -40,18 +40,23 @@ def save(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None =
 def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None = None) -> None:
     """Gathers every rank's slices to global rank 0, which writes whole tensors (a collective
     over `group`, the world's)."""
+    rank0 = parallel_state.rank() == 0
     mine = []
     for key, value in tensors.items():
         if isinstance(value, Slices):
-            # clones: a view pickles its whole storage (a flat buffer, say)
-            pieces = [(off, view.detach().cpu().clone()) for off, view in value.pieces]
+            # other ranks send clones: a view pickles its whole storage (a flat buffer, say)
+            pieces = [
+                (off, view.detach().cpu() if rank0 else view.detach().cpu().clone())
+                for off, view in value.pieces
+            ]
             mine.append((key, tuple(value.global_shape), value.dtype, pieces))
         else:
             mine.append((key, tuple(value.shape), value.dtype, [((0,) * value.dim(), value.detach().cpu())]))
-    gathered: list[Any] | None = [None] * parallel_state.size() if parallel_state.rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0, group=group)
-    if parallel_state.rank() != 0:
+    gathered: list[Any] | None = [None] * parallel_state.size() if rank0 else None
+    dist.gather_object(None if rank0 else mine, gathered, dst=0, group=group)  # rank 0 keeps its own
+    if not rank0:
         return
+    gathered[0] = mine
     by_key: dict[str, tuple] = {}
     for part in gathered:
         for key, shape, dtype, pieces in part:

@@ -97,8 +97,10 @@ def destinations(
         return tuple(shape) == tuple(places.placements[id(p)].global_shape) and len(shape) > 0
 
     def whole(p: nn.Parameter, state_key: str, shape, dtype) -> torch.Tensor:
-        tensor = items.setdefault(key(places.names[id(p)], state_key), torch.empty(tuple(shape), dtype=dtype))
-        return tensor
+        name = key(places.names[id(p)], state_key)
+        if name not in items:
+            items[name] = torch.empty(tuple(shape), dtype=dtype)
+        return items[name]
 
     if flat is None:
         staged: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
@@ -132,7 +134,9 @@ def destinations(
             for k, (shape, dtype) in stored_keys(p).items():
                 if not per_element(p, shape) or (k == MASTER and fg.grads is not None):
                     continue
-                buffer = chunk.setdefault(k, torch.zeros(fg.chunk, dtype=dtype, device=fg.master.device))
+                if k not in chunk:
+                    chunk[k] = torch.zeros(fg.chunk, dtype=dtype, device=fg.master.device)
+                buffer = chunk[k]
                 slices = items.setdefault(key(name, k), Slices(shape, dtype))
                 slices.add_range(buffer[c_start : c_start + n], p_start, placement)
         for p in fg.params[:1]:  # per-group values (a step count): the first parameter's
