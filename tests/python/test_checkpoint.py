@@ -45,7 +45,7 @@ TP2_RDP2_SHARDED_BF16 = {"tensor_parallel_degree": 2, "shard_optimizer_state": T
 TRANSITIONS = [
     (PP2_TP2, [TP4, RDP4_SHARDED]),
     (RDP4_SHARDED, []),
-    (TP2_RDP2_SHARDED_BF16, [PP2_TP2 | {"bf16": True}]),
+    (TP2_RDP2_SHARDED_BF16, [PP2_TP2 | {"bf16": True}, TP2_RDP2_SHARDED_BF16]),
 ]
 
 
@@ -136,14 +136,16 @@ def _downsize(rank, world_size, folder):
 def test_any_layout_resumes_on_any_other(tmp_path):
     """Model and optimizer state (Adam moments and steps, fp32 masters under bf16) saved after 2
     steps resume on another layout exactly as saved, and the last 2 steps then match 4
-    uninterrupted ones on the saving layout (fp32: 1e-6; bf16: its rounding of the last 2 steps)."""
+    uninterrupted ones on the saving layout (fp32, and bf16 resumed on its own layout: 1e-6; bf16 on
+    another layout: its rounding of the last 2 steps there)."""
     results = run_ranks(_save_and_resume, 4, str(tmp_path), timeout=600)[0]
     results += run_ranks(_downsize, 2, str(tmp_path / "1"), timeout=300)[0]
-    assert len(results) == 8, results
+    assert len(results) == 10, results
     for i, target, partial, state_error, train_error in results:
         assert state_error == 0.0, (i, target, partial, state_error)
-        bf16 = TRANSITIONS[i][0].get("bf16", False)
-        assert train_error < (2e-2 if bf16 else 1e-6), (i, target, partial, train_error)
+        # bf16 on another layout rounds the last 2 steps differently; on its own layout it is exact
+        other_bf16_layout = TRANSITIONS[i][0].get("bf16", False) and target != str(TRANSITIONS[i][0])
+        assert train_error < (2e-2 if other_bf16_layout else 1e-6), (i, target, partial, train_error)
     print(results)
 
 
