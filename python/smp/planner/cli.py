@@ -1,5 +1,5 @@
 """python -m smp.plan --model config.json --seq-len 512 --global-batch 64 --gpus 64
-    [--gpus-per-node 8] [--gpu-memory 40GiB] [--layout JSON] [--precision bf16] [--json]"""
+[--gpus-per-node 8] [--gpu-memory 40GiB] [--layout JSON] [--precision bf16] [--json]"""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory", default="40GiB", help="e.g. 40GiB, 80GB")
-    p.add_argument("--layout", help='evaluate one smp config (JSON), e.g. \'{"tensor_parallel_degree": 4}\'')
+    p.add_argument("--layout", help="evaluate one smp config (JSON), e.g. '{\"tensor_parallel_degree\": 4}'")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="for the walk (default bf16)")
     p.add_argument(
         "--runtime",

@@ -37,7 +37,9 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
         with mode:
             module = model()
         if not isinstance(module, nn.Module):
-            raise ValueError(f"smp.plan: the model factory returned {type(module).__name__}, not an nn.Module")
+            raise ValueError(
+                f"smp.plan: the model factory returned {type(module).__name__}, not an nn.Module"
+            )
     layers = _layer_list(module)
     embedding = _largest_embedding(module)
     hidden, vocab = embedding.embedding_dim, embedding.num_embeddings
@@ -98,7 +100,9 @@ def _layer_list(module: nn.Module) -> nn.Module:
 def _largest_embedding(module: nn.Module) -> nn.Embedding:
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
-        raise ValueError(f"smp.plan: {type(module).__name__} has no nn.Embedding; the planner plans token models")
+        raise ValueError(
+            f"smp.plan: {type(module).__name__} has no nn.Embedding; the planner plans token models"
+        )
     return max(embeddings, key=lambda e: e.num_embeddings)
 
 

@@ -72,7 +72,8 @@ class Breakdown:
     gradients: float
     optimizer_state: float
     masters: float
-    activations: float
+    activations: float  # saved for backward, over the microbatches alive
+    recompute: float  # one checkpointed region's activations while it is recomputed
     working: float
     communication: float
     peak: float
@@ -87,7 +88,8 @@ class Breakdown:
     @property
     def validated(self) -> float:
         """The part the CPU validation measures: parameters, every gradient copy, optimizer
-        state with masters, and the peak of saved activations (see docs/benchmarks.md)."""
+        state with masters, and the peak of saved activations, without the recompute working
+        set, which the saved-tensor meter does not see (see docs/benchmarks.md)."""
         return self.parameters + self.gradients + self.optimizer_state + self.masters + self.activations
 
 
@@ -159,8 +161,8 @@ def _stage(
         accumulation = step_grads = p * 4
     in_place = (flat and not layout.half) or not runtime.bucket_copies
     buckets = accumulation if layout.rdp > 1 and not in_place else 0.0
-    saved, working, comm = _activation_terms(facts, layout, workload, stage, mb)
-    backward = accumulation + saved + working + comm
+    saved, recompute, working, comm = _activation_terms(facts, layout, workload, stage, mb)
+    backward = accumulation + saved + recompute + working + comm
     at_step = step_grads + buckets
     peak = param_bytes + optimizer + masters + max(backward, at_step)
     return Breakdown(
@@ -170,6 +172,7 @@ def _stage(
         optimizer_state=optimizer,
         masters=masters,
         activations=saved,
+        recompute=recompute,
         working=working,
         communication=comm + buckets,
         peak=peak,
@@ -181,8 +184,9 @@ def _stage(
 
 def _activation_terms(
     facts: ModelFacts, layout: Layout, workload: Workload, stage: int, mb: int
-) -> tuple[float, float, float]:
-    """(saved activations, working memory, pipeline and TP buffers) of one stage, in bytes."""
+) -> tuple[float, float, float, float]:
+    """(saved activations, recompute working set, working memory, pipeline and TP buffers) of one
+    stage, in bytes."""
     elem, tp, last = (2 if layout.half else 4), layout.tp, layout.pp - 1
     n_layers = stage_layers(facts.layers, layout.pp)[stage]
     per_layer = facts.saved_layer.per_rank(elem, tp)
@@ -200,7 +204,7 @@ def _activation_terms(
     else:
         per_mb, recompute = ends + n_layers * per_layer, 0.0
     n_alive = alive(layout, stage)
-    saved = per_mb * mb * n_alive + recompute
+    saved = per_mb * mb * n_alive
     boundary = mb * workload.seq_len * facts.hidden * elem  # one activation crossing a boundary
     working = 2 * boundary  # the gradient of a layer's output and of its input, in backward
     if stage == last:
@@ -211,4 +215,4 @@ def _activation_terms(
         comm += 2 * boundary * n_alive  # received input, sent output
     if tp > 1:
         comm += 2 * boundary  # a collective's input and output
-    return saved, working, comm
+    return saved, recompute, working, comm

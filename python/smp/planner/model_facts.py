@@ -64,7 +64,9 @@ class Saved:
         )
 
     def __add__(self, other: Saved) -> Saved:
-        return Saved(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+        return Saved(
+            *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True))
+        )
 
     def __mul__(self, k: float) -> Saved:
         return Saved(*(a * k for a in dataclasses.astuple(self)))
@@ -120,9 +122,13 @@ def load_hf_config(path: str) -> dict[str, Any]:
         with open(path) as f:
             config = json.load(f)
     except OSError as e:
-        raise ValueError(f"smp.plan: cannot read the model config {path!r} ({e.strerror}); pass a config.json") from e
+        raise ValueError(
+            f"smp.plan: cannot read the model config {path!r} ({e.strerror}); pass a config.json"
+        ) from e
     except json.JSONDecodeError as e:
-        raise ValueError(f"smp.plan: {path!r} is not valid JSON ({e}); pass a Hugging Face config.json") from e
+        raise ValueError(
+            f"smp.plan: {path!r} is not valid JSON ({e}); pass a Hugging Face config.json"
+        ) from e
     if not isinstance(config, dict):
         raise ValueError(f"smp.plan: {path!r} must hold a JSON object (a Hugging Face config)")
     return config
@@ -170,9 +176,15 @@ class _Shape:
 
 
 def _shape(config: Mapping[str, Any]) -> _Shape:
-    hidden = _positive_int(_first(config, ("hidden_size", "n_embd", "d_model", "dim"), "hidden size"), "hidden size")
-    heads = _positive_int(_first(config, ("num_attention_heads", "n_head", "num_heads"), "head count"), "head count")
-    kv_heads = _positive_int(_first(config, ("num_key_value_heads", "n_kv_heads"), "", heads), "key/value heads")
+    hidden = _positive_int(
+        _first(config, ("hidden_size", "n_embd", "d_model", "dim"), "hidden size"), "hidden size"
+    )
+    heads = _positive_int(
+        _first(config, ("num_attention_heads", "n_head", "num_heads"), "head count"), "head count"
+    )
+    kv_heads = _positive_int(
+        _first(config, ("num_key_value_heads", "n_kv_heads"), "", heads), "key/value heads"
+    )
     head_dim = _positive_int(_first(config, ("head_dim",), "", hidden // heads), "head dim")
     act = str(_first(config, ("hidden_act", "activation_function", "hidden_activation"), "", "gelu")).lower()
     rotary = any(k.startswith("rope") for k in config) or config.get("position_embedding_type") == "rotary"
@@ -182,7 +194,9 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
     attn_impl = str(config.get("attn_implementation") or config.get("_attn_implementation") or "sdpa")
     return _Shape(
         hidden=hidden,
-        layers=_positive_int(_first(config, ("num_hidden_layers", "n_layer", "num_layers"), "layer count"), "layers"),
+        layers=_positive_int(
+            _first(config, ("num_hidden_layers", "n_layer", "num_layers"), "layer count"), "layers"
+        ),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -206,7 +220,9 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
 def from_hf_config(config: Mapping[str, Any], seq_len: int) -> ModelFacts:
     """Counts for the transformer a Hugging Face config describes, at `seq_len` tokens per sample."""
     if not isinstance(config, Mapping):
-        raise ValueError(f"smp.plan: model must be a Hugging Face config (dict or path), got {type(config).__name__}")
+        raise ValueError(
+            f"smp.plan: model must be a Hugging Face config (dict or path), got {type(config).__name__}"
+        )
     s = _shape(config)
     h, hd = s.hidden, s.head_dim
     q, kv = s.heads * hd, s.kv_heads * hd

@@ -10,7 +10,16 @@ from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB, gib
 from smp.planner.walk import Candidate
 
-_PARTS = ("parameters", "gradients", "optimizer_state", "masters", "activations", "working", "communication")
+_PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "masters",
+    "activations",
+    "recompute",
+    "working",
+    "communication",
+)
 
 
 def breakdown_json(b: memory.Breakdown) -> dict[str, Any]:
@@ -114,7 +123,14 @@ def _header() -> str:
 
 def _row(c: Candidate) -> str:
     b = c.breakdown
-    cells = [b.parameters, b.gradients, b.optimizer_state + b.masters, b.activations, b.working, b.communication]
+    cells = [
+        b.parameters,
+        b.gradients,
+        b.optimizer_state + b.masters,
+        b.activations,
+        b.working,
+        b.communication,
+    ]
     cells += [b.peak, b.total]
     text = "".join(f"{x / GiB:>8.1f}" for x in cells)
     return f"{c.layout.describe():<58}{text}{'yes' if c.fits else 'no':>8}{c.time.relative:>8.2f}"

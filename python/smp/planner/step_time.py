@@ -75,8 +75,11 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
     grad_bytes = 4 * _stage_params(facts, layout)
     dp_link = _link(layout.rdp, layout.tp * pp * layout.rdp > per_node, per_node)
     dp_comm = _ring(grad_bytes, layout.rdp, dp_link)
-    total_flops = 3 * workload.global_batch * workload.seq_len * (
-        facts.layers * facts.layer_flops_per_token + facts.head_flops_per_token
+    total_flops = (
+        3
+        * workload.global_batch
+        * workload.seq_len
+        * (facts.layers * facts.layer_flops_per_token + facts.head_flops_per_token)
     )
     ideal = total_flops / (workload.gpus * flops)
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, ideal)

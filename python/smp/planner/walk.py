@@ -37,11 +37,22 @@ class Candidate:
 
 
 def evaluate(
-    facts: ModelFacts, layout: Layout, workload: memory.Workload, runtime: memory.Runtime, step: str = "evaluated"
+    facts: ModelFacts,
+    layout: Layout,
+    workload: memory.Workload,
+    runtime: memory.Runtime,
+    step: str = "evaluated",
 ) -> Candidate:
     breakdown = memory.estimate(facts, layout, workload, runtime)
     fits = breakdown.total <= workload.gpu_memory
-    return Candidate(step, layout, breakdown, step_time.estimate(facts, layout, workload), fits, _reason(breakdown, workload, fits))
+    return Candidate(
+        step,
+        layout,
+        breakdown,
+        step_time.estimate(facts, layout, workload),
+        fits,
+        _reason(breakdown, workload, fits),
+    )
 
 
 def _reason(b: memory.Breakdown, workload: memory.Workload, fits: bool) -> str:
@@ -109,7 +120,9 @@ def _large_gpus(w: Walk, layout: Layout) -> Layout:
 
 def _shard(w: Walk, layout: Layout) -> Layout | None:
     if layout.rdp == 1:
-        w.notes.append("2. sharded optimizer state: skipped, one data-parallel rank has nothing to shard with")
+        w.notes.append(
+            "2. sharded optimizer state: skipped, one data-parallel rank has nothing to shard with"
+        )
         return layout
     sharded = layout.replace(shard_optimizer_state=True)
     return None if w.attempt("2. shard optimizer state", sharded) else sharded
@@ -155,8 +168,10 @@ def _pipeline(w: Walk, layout: Layout) -> Layout | None:
         per_replica = w.workload.global_batch // rdp
         choices = [m for m in range(pp, per_replica + 1) if per_replica % m == 0][:MAX_MICROBATCH_CHOICES]
         if w.workload.global_batch % rdp or not choices:
-            w.notes.append(f"5. pipeline {pp}: skipped (a replica's batch of {w.workload.global_batch / rdp:g} "
-                           f"cannot fill {pp} stages)")
+            w.notes.append(
+                f"5. pipeline {pp}: skipped (a replica's batch of {w.workload.global_batch / rdp:g} "
+                f"cannot fill {pp} stages)"
+            )
             pp *= 2
             continue
         for i, m in enumerate(choices):
