@@ -131,3 +131,55 @@ def _held_bytes(smp, model, inner) -> dict:
         + total([p.grad for p in masters]),
         "optimizer": total(state) + total(masters),
     }
+
+
+def predict(model, layout: dict):
+    """The planner's breakdown for `layout` on this validation's job (2 GPUs)."""
+    import smp
+
+    job = {"seq_len": SEQ, "global_batch": GLOBAL_BATCH, "gpus": 2, "gpus_per_node": 2, "gpu_memory": "1GiB"}
+    return smp.plan(model, **job, layout=layout, precision="fp32").evaluated.breakdown
+
+
+def run(rank: int, world_size: int) -> dict:
+    """The launch test_plan.py makes: both ranks measure every layout; then, so that the test
+    process itself never imports transformers, rank 0 asks the planner for its predictions (from
+    the module and from its config) and rank 1 counts the parameters of the Hugging Face test
+    models against the planner's counts from their configs."""
+    out = {"measured": measure_layouts(rank, world_size)}
+    if rank == 0:
+        config = build_gpt2().config.to_dict()
+        out["predicted"] = {
+            name: {
+                "module": predict(build_gpt2, layout).validated,
+                "config": predict(config, layout).validated,
+            }
+            for name, layout in LAYOUTS
+        }
+        out["facts"] = {
+            source: _facts(model) for source, model in (("module", build_gpt2), ("config", config))
+        }
+    else:
+        out["parameters"] = _hf_parameter_counts()
+    return out
+
+
+def _facts(model) -> dict:
+    import smp
+
+    facts = smp.plan(model, seq_len=SEQ, global_batch=GLOBAL_BATCH, gpus=2).facts
+    return {"source": facts.source, "parameters": facts.parameters, "tied": facts.tied.total}
+
+
+def _hf_parameter_counts() -> dict:
+    """{model: (the planner's count from its config, the real model's)} for GPT-2, Llama, BERT."""
+    import hf_cases
+
+    import smp
+
+    counts = {}
+    for build in (hf_cases.gpt2, hf_cases.llama, hf_cases.bert):
+        model = build()
+        facts = smp.plan(model.config.to_dict(), seq_len=16, global_batch=2, gpus=1).facts
+        counts[type(model).__name__] = (facts.parameters, sum(p.numel() for p in model.parameters()))
+    return counts
