@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
 from smp.pipeline.activation_meter import SavedActivationMeter
 
 SEQ = 64
@@ -174,7 +173,6 @@ def _facts(model) -> dict:
 def _hf_parameter_counts() -> dict:
     """{model: (the planner's count from its config, the real model's)} for GPT-2, Llama, BERT."""
     import hf_cases
-
     import smp
 
     counts = {}

@@ -12,9 +12,8 @@ import warnings
 
 import plan_validation
 import pytest
-from harness import run_ranks
-
 import smp
+from harness import run_ranks
 from smp import config as smp_config
 from smp.planner import cli
 

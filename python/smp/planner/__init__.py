@@ -95,8 +95,8 @@ def _facts(model, seq_len: int) -> model_facts.ModelFacts:
     if hasattr(model, "to_dict"):  # a transformers PretrainedConfig
         return model_facts.from_hf_config(model.to_dict(), seq_len)
     raise ValueError(
-        f"smp.plan: model must be a config.json path, a config dict, an nn.Module or a function building one, "
-        f"got {type(model).__name__}"
+        "smp.plan: model must be a config.json path, a config dict, an nn.Module or a function building "
+        f"one, got {type(model).__name__}"
     )
 
 
@@ -105,6 +105,6 @@ def _check_tp(layout: Layout, facts: model_facts.ModelFacts) -> None:
     if facts.heads % tp or facts.kv_heads % tp:
         divisors = [d for d in (1, 2, 4, 8, 16, 32, 64) if facts.heads % d == 0 and facts.kv_heads % d == 0]
         raise ValueError(
-            f"smp.plan: tensor_parallel_degree {tp} does not divide the model's {facts.heads} attention heads "
-            f"({facts.kv_heads} key/value heads); choose one of {divisors}"
+            f"smp.plan: tensor_parallel_degree {tp} does not divide the model's {facts.heads} attention "
+            f"heads ({facts.kv_heads} key/value heads); choose one of {divisors}"
         )

@@ -16,20 +16,6 @@ from smp.recompute.requests import group_size
 
 CHECKPOINTING_KEY = "activation_checkpointing"
 RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp * tp)
-# smp config keys whose value changes nothing the planner models.
-_NOT_MODELED = {f.name for f in dataclasses.fields(smp_config.Config)} - {
-    "pipeline_parallel_degree",
-    "tensor_parallel_degree",
-    "microbatches",
-    "active_microbatches",
-    "pipeline",
-    "prescaled_batch",
-    "shard_optimizer_state",
-    "fp16",
-    "bf16",
-    "offload_activations",
-    "activation_loading_horizon",
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
     n = len(layers)
     layer_params = _params([p for layer in layers for p in layer.parameters()], n)
     return ModelFacts(
-        source=f"measured on {type(module).__name__} (fake-tensor forward, see smp/planner/measured_facts.py)",
+        source=f"measured on {type(module).__name__} (a fake-tensor forward: smp/planner/measured_facts.py)",
         seq_len=seq_len,
         hidden=hidden,
         layers=n,

@@ -17,6 +17,8 @@ What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, pipe
 - communication: pipeline send/receive buffers per microbatch alive, tensor-parallel collective
   buffers, and the data-parallel buckets (copies of every gradient, held until the step's end)
   unless the gradients are one flat fp32 buffer averaged in place.
+SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
+bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
 The peak is parameters + optimizer state + the larger of the backward (gradients being
 accumulated, activations, working memory, pipeline/TP buffers) and the step's end (every gradient
 copy, the buckets). The stated margin is added on top: 1 GiB for the CUDA context and library

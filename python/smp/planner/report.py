@@ -93,8 +93,8 @@ class PlanResult:
     def table(self) -> str:
         w, f = self.workload, self.facts
         lines = [
-            f"model: {f.parameters / 1e9:.2f}B parameters, {f.layers} layers, hidden {f.hidden}, {f.heads} heads, "
-            f"vocab {f.vocab} ({f.source})",
+            f"model: {f.parameters / 1e9:.2f}B parameters, {f.layers} layers, hidden {f.hidden}, "
+            f"{f.heads} heads, vocab {f.vocab} ({f.source})",
             f"job: {w.gpus} GPUs ({w.gpus_per_node} per node, {w.gpu_memory / GiB:.0f} GiB each), "
             f"global batch {w.global_batch}, sequence {w.seq_len}; memory model: {self.runtime}",
             "",
@@ -118,7 +118,7 @@ class PlanResult:
 
 def _header() -> str:
     cols = ("params", "grads", "optim", "activ", "work", "comm", "peak", "+margin", "fits", "time")
-    return f"{'layout':<58}" + "".join(f"{c:>8}" for c in cols)
+    return f"{'layout':<72}" + "".join(f"{c:>8}" for c in cols)
 
 
 def _row(c: Candidate) -> str:
@@ -133,4 +133,4 @@ def _row(c: Candidate) -> str:
     ]
     cells += [b.peak, b.total]
     text = "".join(f"{x / GiB:>8.1f}" for x in cells)
-    return f"{c.layout.describe():<58}{text}{'yes' if c.fits else 'no':>8}{c.time.relative:>8.2f}"
+    return f"{c.layout.describe():<72}{text}{'yes' if c.fits else 'no':>8}{c.time.relative:>8.2f}"

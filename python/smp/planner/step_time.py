@@ -44,8 +44,8 @@ class StepTime:
         return self.total / self.ideal
 
 
-def _link(group: int, span_nodes: bool, gpus_per_node: int) -> float:
-    """Bytes per second per rank of a ring over `group` ranks."""
+def _link(span_nodes: bool, gpus_per_node: int) -> float:
+    """Bytes per second per rank of a ring: NVLink inside a node, a GPU's share of EFA across nodes."""
     return EFA_BYTES_PER_NODE / gpus_per_node if span_nodes else NVLINK_BYTES
 
 
@@ -68,12 +68,12 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
     bubble = (pp - 1) * per_microbatch  # (pp-1)/(m+pp-1) of the pipeline's m+pp-1 slots
     per_node = workload.gpus_per_node
     boundary = tokens * facts.hidden * elem
-    tp_link = _link(layout.tp, layout.tp > per_node, per_node)
+    tp_link = _link(layout.tp > per_node, per_node)
     tp_comm = m * layers * 4 * _ring(boundary, layout.tp, tp_link)
-    pp_link = _link(pp, layout.tp * pp > per_node, per_node)
+    pp_link = _link(layout.tp * pp > per_node, per_node)
     pp_comm = 0.0 if pp == 1 else 2 * m * boundary / pp_link
     grad_bytes = 4 * _stage_params(facts, layout)
-    dp_link = _link(layout.rdp, layout.tp * pp * layout.rdp > per_node, per_node)
+    dp_link = _link(layout.tp * pp * layout.rdp > per_node, per_node)
     dp_comm = _ring(grad_bytes, layout.rdp, dp_link)
     total_flops = (
         3

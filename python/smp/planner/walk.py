@@ -89,11 +89,6 @@ class Walk:
         self.candidates.append(candidate)
         return candidate.fits
 
-    @property
-    def recommended(self) -> Candidate | None:
-        fitting = [c for c in self.candidates if c.fits]
-        return fitting[0] if fitting else None
-
 
 def walk(facts: ModelFacts, workload: memory.Workload, runtime: memory.Runtime, precision: str) -> Walk:
     w = Walk(facts, workload, runtime)
@@ -112,8 +107,8 @@ def _data_parallel(w: Walk, layout: Layout) -> Layout | None:
 
 def _large_gpus(w: Walk, layout: Layout) -> Layout:
     w.notes.append(
-        f"1. large GPU instances: planning for the {w.workload.gpu_memory / GiB:.0f} GiB per GPU given; the seed "
-        "recommends the largest (ml.p4d, ml.p3dn); with more memory per GPU the walk may stop earlier"
+        f"1. large GPU instances: planning for the {w.workload.gpu_memory / GiB:.0f} GiB per GPU given; the "
+        "seed recommends the largest (ml.p4d, ml.p3dn); with more memory per GPU the walk may stop earlier"
     )
     return layout
 
