@@ -43,7 +43,8 @@ def plan(
     seq_len, global_batch: tokens per sample; samples per optimizer step over every GPU.
     gpus, gpus_per_node, gpu_memory: the job; gpu_memory as "40GiB", "80GB" or bytes.
     layout: an smp config plus "activation_checkpointing" ("none", "each", "group_N"): evaluate it.
-    precision: "bf16", "fp16" or "fp32" for the walk (a layout's own fp16/bf16 keys win).
+    precision: "bf16", "fp16" or "fp32" for the walk; a `layout` is read as smp.init reads it
+        (fp32 unless it sets "fp16" or "bf16").
     runtime: "smp" (this library's buffers) or "smp_v1" (SMP v1's, which the seed's table measured).
     """
     workload = _workload(seq_len, global_batch, gpus, gpus_per_node, gpu_memory)

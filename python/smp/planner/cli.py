@@ -22,7 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory", default="40GiB", help="e.g. 40GiB, 80GB")
     p.add_argument("--layout", help="evaluate one smp config (JSON), e.g. '{\"tensor_parallel_degree\": 4}'")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="for the walk (default bf16)")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="for the walk (default bf16); a --layout is read as smp.init reads it (fp32 unless fp16/bf16)",
+    )
     p.add_argument(
         "--runtime",
         choices=tuple(memory.RUNTIMES),

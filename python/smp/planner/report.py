@@ -25,6 +25,7 @@ _PARTS = (
 def breakdown_json(b: memory.Breakdown) -> dict[str, Any]:
     out: dict[str, Any] = {f"{part}_gib": gib(getattr(b, part)) for part in _PARTS}
     out.update(
+        activations_per_microbatch_gib=gib(b.activations / b.microbatches_alive),
         peak_gib=gib(b.peak),
         margin_gib=gib(b.margin),
         total_gib=gib(b.total),
