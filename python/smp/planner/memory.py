@@ -148,21 +148,11 @@ def _stage(
     facts: ModelFacts, layout: Layout, workload: Workload, runtime: Runtime, stage: int, mb: int
 ) -> Breakdown:
     p = stage_parameters(facts, layout, stage)
-    chunk = p / (layout.rdp if layout.shard_optimizer_state else 1)
-    flat = layout.shard_optimizer_state or layout.half  # smp builds flat state for these
+    chunk = p / (layout.rdp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
     param_bytes = p * (2 if layout.half else 4)
     optimizer = chunk * 4 * ADAM_MOMENTS
     masters = chunk * 4 if layout.half else 0.0
-    if layout.half and runtime.fp32_accumulation:
-        accumulation = p * 4
-        step_grads = accumulation + p * 2 + chunk * 4  # + the dtype copy, + the master chunk's
-    elif layout.half:
-        accumulation = p * 2
-        step_grads = accumulation + chunk * 4
-    else:
-        accumulation = step_grads = p * 4
-    in_place = (flat and not layout.half) or not runtime.bucket_copies
-    buckets = accumulation if layout.rdp > 1 and not in_place else 0.0
+    accumulation, step_grads, buckets = _gradient_terms(layout, runtime, p, chunk)
     saved, recompute, working, comm = _activation_terms(facts, layout, workload, stage, mb)
     backward = accumulation + saved + recompute + working + comm
     at_step = step_grads + buckets
@@ -182,6 +172,26 @@ def _stage(
         microbatch_size=mb,
         microbatches_alive=alive(layout, stage),
     )
+
+
+def _gradient_terms(layout: Layout, runtime: Runtime, p: float, chunk: float) -> tuple[float, float, float]:
+    """(the gradients accumulated in backward, every gradient copy at the step, the data-parallel
+    buckets' copies) in bytes, for `p` parameters of which this rank steps `chunk`."""
+    if layout.half and runtime.fp32_accumulation:
+        accumulation = p * 4
+        at_step = (
+            accumulation + p * 2 + chunk * 4
+        )  # + the copy in the parameters' dtype, + the master chunk's
+    elif layout.half:
+        accumulation = p * 2
+        at_step = accumulation + chunk * 4
+    else:
+        accumulation = at_step = p * 4
+    # fp32 flat state (sharded) averages its one gradient buffer in place; otherwise GradSync
+    # copies the gradients into buckets and holds them until the step's end.
+    flat_fp32 = layout.shard_optimizer_state and not layout.half
+    copies = layout.rdp > 1 and runtime.bucket_copies and not flat_fp32
+    return accumulation, at_step, accumulation if copies else 0.0
 
 
 def _activation_terms(
