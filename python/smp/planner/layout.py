@@ -1,0 +1,178 @@
+"""One candidate configuration: the parallel degrees and memory knobs the planner varies, read
+from (and written back as) an smp config dict plus "activation_checkpointing"."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from smp import config as smp_config
+from smp.recompute.requests import group_size
+
+CHECKPOINTING_KEY = "activation_checkpointing"
+RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp * tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    tp: int = 1
+    rdp: int = 1
+    shard_optimizer_state: bool = False
+    checkpointing: str = "none"  # none, each, group_N (of the layer list)
+    prescaled_batch: bool = False
+    microbatches: int = 1
+    active_microbatches: int | None = None  # None: smp's default, min(pp + 2, microbatches)
+    pipeline: str = "interleaved"
+    fp16: bool = False
+    bf16: bool = False
+    offload_activations: bool = False
+    activation_loading_horizon: int = 4
+
+    @property
+    def active(self) -> int:
+        if self.active_microbatches is not None:
+            return self.active_microbatches
+        return min(self.pp + 2, self.microbatches)
+
+    @property
+    def half(self) -> bool:
+        return self.fp16 or self.bf16
+
+    @property
+    def checkpoint_group(self) -> int:
+        """Layers per recomputed region (0: no checkpointing)."""
+        if self.checkpointing == "none":
+            return 0
+        return group_size(self.checkpointing) or 1
+
+    def replace(self, **changes: Any) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def smp_config(self) -> dict[str, Any]:
+        """The config for smp.init, plus "activation_checkpointing" (apply it with
+        smp.set_activation_checkpointing on the model's layer list)."""
+        config: dict[str, Any] = {
+            "pipeline_parallel_degree": self.pp,
+            "tensor_parallel_degree": self.tp,
+            "microbatches": self.microbatches,
+            "active_microbatches": self.active,
+            "pipeline": self.pipeline,
+            "prescaled_batch": self.prescaled_batch,
+            "shard_optimizer_state": self.shard_optimizer_state,
+            "ddp": True,
+            "fp16": self.fp16,
+            "bf16": self.bf16,
+        }
+        if self.offload_activations:
+            config["offload_activations"] = True
+            config["activation_loading_horizon"] = self.activation_loading_horizon
+        config[CHECKPOINTING_KEY] = self.checkpointing
+        return config
+
+    def describe(self) -> str:
+        parts = [f"pp={self.pp}", f"tp={self.tp}", f"rdp={self.rdp}"]
+        if self.shard_optimizer_state:
+            parts.append("sharded optimizer")
+        if self.checkpointing != "none":
+            parts.append(f"checkpoint {self.checkpointing}")
+        if self.prescaled_batch:
+            parts.append("prescaled")
+        if self.pp > 1:
+            parts.append(f"m={self.microbatches} active={self.active}")
+        if self.offload_activations:
+            parts.append("offload")
+        return ", ".join(parts)
+
+
+def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
+    """A Layout from an smp config dict (plus "activation_checkpointing" and, optionally,
+    "reduced_data_parallel_degree"); every mistake is a ValueError naming the value and the fix."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"smp.plan: --layout must be a JSON object (an smp config), got {config!r}")
+    config = dict(config)
+    checkpointing = config.pop(CHECKPOINTING_KEY, "none")
+    rdp_given = config.pop(RDP_KEY, None)
+    for key in config:
+        name = smp_config.ALIASES.get(key, key)
+        if name not in smp_config.Config.__dataclass_fields__ and name not in smp_config.LEGACY_NO_OP_KEYS:
+            raise ValueError(_unknown_key(key))
+    parsed = _parse_smp_keys(config)
+    pp, tp = parsed.pipeline_parallel_degree, parsed.tensor_parallel_degree
+    if gpus % (pp * tp):
+        raise ValueError(
+            f"smp.plan: pipeline_parallel_degree ({pp}) x tensor_parallel_degree ({tp}) = {pp * tp} does not "
+            f"divide the {gpus} GPUs; choose degrees whose product divides {gpus}"
+        )
+    rdp = gpus // (pp * tp)
+    if rdp_given is not None and rdp_given != rdp:
+        raise ValueError(
+            f"smp.plan: pp ({pp}) x tp ({tp}) x {RDP_KEY} ({rdp_given}) = {pp * tp * rdp_given} is not the "
+            f"{gpus} GPUs; set {RDP_KEY} to {rdp} or leave it out"
+        )
+    _check_checkpointing(checkpointing)
+    return Layout(
+        pp=pp,
+        tp=tp,
+        rdp=rdp,
+        shard_optimizer_state=parsed.shard_optimizer_state,
+        checkpointing=checkpointing,
+        prescaled_batch=parsed.prescaled_batch,
+        microbatches=parsed.microbatches,
+        active_microbatches=parsed.num_active_microbatches,
+        pipeline=parsed.pipeline,
+        fp16=parsed.fp16,
+        bf16=parsed.bf16,
+        offload_activations=parsed.offload_activations,
+        activation_loading_horizon=parsed.activation_loading_horizon,
+    )
+
+
+def _parse_smp_keys(config: dict[str, Any]) -> smp_config.Config:
+    # smp.config.parse checks every value as smp.init would. It also merges this process's
+    # SMP_CONFIG / SM_HP_MP_PARAMETERS, which describe some job, not the layout asked about:
+    # they are hidden while it runs.
+    with _without_env(smp_config.ENV_VARS), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # legacy keys and odd TP degrees: the walk says why itself
+        try:
+            return smp_config.parse(config)
+        except ValueError as e:
+            raise ValueError(f"smp.plan: --layout: {e}") from e
+
+
+@contextlib.contextmanager
+def _without_env(names: tuple[str, ...]):
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _check_checkpointing(value: Any) -> None:
+    if value == "none":
+        return
+    if value == "contiguous":
+        raise ValueError(
+            "smp.plan: activation_checkpointing 'contiguous' depends on the stage's partition, which the "
+            "planner does not model; use 'none', 'each' or 'group_N'"
+        )
+    try:
+        group_size(value)
+    except ValueError as e:
+        raise ValueError(
+            f"smp.plan: activation_checkpointing {value!r} is not 'none', 'each' or 'group_N' (N layers per "
+            f"recomputed region, e.g. 'group_2') ({e})"
+        ) from e
+
+
+def _unknown_key(key: str) -> str:
+    known = sorted([*smp_config.Config.__dataclass_fields__, CHECKPOINTING_KEY, RDP_KEY])
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(known)}"
+    return f"smp.plan: --layout has an unknown key '{key}'; {fix}"

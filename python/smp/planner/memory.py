@@ -1,0 +1,230 @@
+"""Memory per GPU of one layout: smp's own buffers, part by part, on the fullest GPU.
+
+What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, pipeline/schedule.py):
+- parameters in the training precision (2 bytes under bf16/fp16, else 4);
+- gradients: fp32 accumulation always. fp32 training: one fp32 gradient per parameter (a flat
+  buffer kept across steps when the optimizer state is flat, i.e. sharded). bf16/fp16: the fp32
+  accumulation buffer, the averaged gradient copied back into the parameter's dtype, and the
+  fp32 gradient of this rank's master chunk;
+- optimizer: Adam/AdamW's two fp32 moments for this rank's chunk (1/rdp of the parameters when
+  the state is sharded), and under bf16/fp16 the fp32 master chunk;
+- activations: what autograd saves, per microbatch, times the microbatches alive on the stage:
+  1F1B ("interleaved") keeps min(active_microbatches, pp - stage) alive on stage `stage`,
+  "simple" keeps all. A checkpointed layer keeps its input instead, plus, while one region is
+  recomputed in backward, that region's activations for one microbatch;
+- working memory: the logits the last stage holds per microbatch alive and their gradient, and
+  the gradient of one layer's largest activation;
+- communication: pipeline send/receive buffers per microbatch alive, tensor-parallel collective
+  buffers, and the data-parallel buckets (copies of every gradient, held until the step's end)
+  unless the gradients are one flat fp32 buffer averaged in place.
+SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
+bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
+The peak is parameters + optimizer state + the larger of the backward (gradients being
+accumulated, activations, working memory, pipeline/TP buffers) and the step's end (every gradient
+copy, the buckets). The stated margin is added on top: 1 GiB for the CUDA context and library
+workspaces plus 10% of the peak for the caching allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from smp.planner.layout import Layout
+from smp.planner.model_facts import ModelFacts
+from smp.planner.units import GiB
+
+ADAM_MOMENTS = 2  # Adam/AdamW; an optimizer with other state scales this term
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """How an implementation holds gradients: smp's (above), or SMP v1's, on which the Best
+    Practices seed measured its reference table."""
+
+    name: str
+    fp32_accumulation: bool  # an fp32 gradient beside a bf16/fp16 parameter's own
+    bucket_copies: bool  # data-parallel buckets copy the gradients (else averaged in place)
+
+
+SMP = Runtime("smp", fp32_accumulation=True, bucket_copies=True)
+# SMP v1 accumulated bf16/fp16 gradients in the parameters' dtype (its `_fp32_grad_accumulation`
+# defaulted to off) and reduced them in place; masters and moments were sharded as in smp.
+SMP_V1 = Runtime("smp_v1", fp32_accumulation=False, bucket_copies=False)
+RUNTIMES = {r.name: r for r in (SMP, SMP_V1)}
+CONTEXT_BYTES = 1 * GiB
+FRAGMENTATION = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int  # samples per optimizer step, over every GPU
+    gpus: int
+    gpus_per_node: int
+    gpu_memory: int  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Bytes on one GPU (the fullest one: `stage` is its pipeline stage)."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    masters: float
+    activations: float  # saved for backward, over the microbatches alive
+    recompute: float  # one checkpointed region's activations while it is recomputed
+    working: float
+    communication: float
+    peak: float
+    margin: float
+    microbatch_size: int
+    microbatches_alive: int
+
+    @property
+    def total(self) -> float:
+        return self.peak + self.margin
+
+    @property
+    def validated(self) -> float:
+        """The part the CPU validation measures: parameters, every gradient copy, optimizer
+        state with masters, and the peak of saved activations, without the recompute working
+        set, which the saved-tensor meter does not see (see docs/benchmarks.md)."""
+        return self.parameters + self.gradients + self.optimizer_state + self.masters + self.activations
+
+
+def microbatch_size(layout: Layout, workload: Workload) -> int:
+    """Samples per microbatch of a model replica (a TP group reads one batch, either way)."""
+    per_replica, rest = divmod(workload.global_batch, layout.rdp)
+    if rest or per_replica < 1:
+        raise ValueError(
+            f"smp.plan: the global batch {workload.global_batch} does not split over {layout.rdp} model "
+            f"replicas (rdp); choose a global batch that is a multiple of {layout.rdp}"
+        )
+    size, rest = divmod(per_replica, layout.microbatches)
+    if rest or size < 1:
+        raise ValueError(
+            f"smp.plan: a replica's batch of {per_replica} does not split into {layout.microbatches} "
+            f"microbatches; choose microbatches dividing {per_replica}"
+        )
+    return size
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per stage, split evenly (the first stages take the remainder)."""
+    return [layers // pp + (1 if s < layers % pp else 0) for s in range(pp)]
+
+
+def alive(layout: Layout, stage: int) -> int:
+    """Microbatches whose activations a stage holds at once (pipeline/schedule.py)."""
+    if layout.pipeline == "simple":
+        return layout.microbatches
+    return min(layout.active, layout.pp - stage, layout.microbatches)
+
+
+def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Runtime = SMP) -> Breakdown:
+    """The fullest GPU's breakdown."""
+    mb = microbatch_size(layout, workload)
+    stages = [_stage(facts, layout, workload, runtime, s, mb) for s in range(layout.pp)]
+    return max(stages, key=lambda b: b.total)
+
+
+def stage_parameters(facts: ModelFacts, layout: Layout, stage: int) -> float:
+    """Parameters this stage's ranks hold each (tensor-parallel shards counted as shards)."""
+    tp, last = layout.tp, layout.pp - 1
+    n = stage_layers(facts.layers, layout.pp)[stage] * facts.layer.per_rank(tp)
+    if stage == 0:
+        n += facts.before.per_rank(tp)
+    if stage == last:
+        n += facts.after.per_rank(tp)
+        if layout.pp > 1:
+            n += facts.tied.per_rank(tp)  # the shared weight's replica on the last stage
+    return n
+
+
+def _stage(
+    facts: ModelFacts, layout: Layout, workload: Workload, runtime: Runtime, stage: int, mb: int
+) -> Breakdown:
+    p = stage_parameters(facts, layout, stage)
+    chunk = p / (layout.rdp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
+    param_bytes = p * (2 if layout.half else 4)
+    optimizer = chunk * 4 * ADAM_MOMENTS
+    masters = chunk * 4 if layout.half else 0.0
+    accumulation, step_grads, buckets = _gradient_terms(layout, runtime, p, chunk)
+    saved, recompute, working, comm = _activation_terms(facts, layout, workload, stage, mb)
+    backward = accumulation + saved + recompute + working + comm
+    at_step = step_grads + buckets
+    peak = param_bytes + optimizer + masters + max(backward, at_step)
+    return Breakdown(
+        stage=stage,
+        parameters=param_bytes,
+        gradients=step_grads,
+        optimizer_state=optimizer,
+        masters=masters,
+        activations=saved,
+        recompute=recompute,
+        working=working,
+        communication=comm + buckets,
+        peak=peak,
+        margin=CONTEXT_BYTES + FRAGMENTATION * peak,
+        microbatch_size=mb,
+        microbatches_alive=alive(layout, stage),
+    )
+
+
+def _gradient_terms(layout: Layout, runtime: Runtime, p: float, chunk: float) -> tuple[float, float, float]:
+    """(the gradients accumulated in backward, every gradient copy at the step, the data-parallel
+    buckets' copies) in bytes, for `p` parameters of which this rank steps `chunk`."""
+    if layout.half and runtime.fp32_accumulation:
+        accumulation = p * 4
+        at_step = (
+            accumulation + p * 2 + chunk * 4
+        )  # + the copy in the parameters' dtype, + the master chunk's
+    elif layout.half:
+        accumulation = p * 2
+        at_step = accumulation + chunk * 4
+    else:
+        accumulation = at_step = p * 4
+    # fp32 flat state (sharded) averages its one gradient buffer in place; otherwise GradSync
+    # copies the gradients into buckets and holds them until the step's end.
+    flat_fp32 = layout.shard_optimizer_state and not layout.half
+    copies = layout.rdp > 1 and runtime.bucket_copies and not flat_fp32
+    return accumulation, at_step, accumulation if copies else 0.0
+
+
+def _activation_terms(
+    facts: ModelFacts, layout: Layout, workload: Workload, stage: int, mb: int
+) -> tuple[float, float, float, float]:
+    """(saved activations, recompute working set, working memory, pipeline and TP buffers) of one
+    stage, in bytes."""
+    elem, tp, last = (2 if layout.half else 4), layout.tp, layout.pp - 1
+    n_layers = stage_layers(facts.layers, layout.pp)[stage]
+    per_layer = facts.saved_layer.per_rank(elem, tp)
+    ends = 0.0
+    if stage == 0:
+        ends += facts.saved_before.per_rank(elem, tp)
+    if stage == last:
+        ends += facts.saved_after.per_rank(elem, tp)
+    group = layout.checkpoint_group
+    if group:
+        regions = math.ceil(n_layers / group)
+        kept = min(regions, layout.activation_loading_horizon) if layout.offload_activations else regions
+        per_mb = ends + kept * facts.saved_layer_input.per_rank(elem, tp)
+        recompute = min(group, n_layers) * per_layer * mb  # one region, one microbatch, in backward
+    else:
+        per_mb, recompute = ends + n_layers * per_layer, 0.0
+    n_alive = alive(layout, stage)
+    saved = per_mb * mb * n_alive
+    boundary = mb * workload.seq_len * facts.hidden * elem  # one activation crossing a boundary
+    working = 2 * boundary  # the gradient of a layer's output and of its input, in backward
+    if stage == last:
+        logits = mb * facts.logits_elements / tp
+        working += logits * elem * n_alive + logits * 4  # held logits; their fp32 gradient
+    comm = 0.0
+    if layout.pp > 1:
+        comm += 2 * boundary * n_alive  # received input, sent output
+    if tp > 1:
+        comm += 2 * boundary  # a collective's input and output
+    return saved, recompute, working, comm

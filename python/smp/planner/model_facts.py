@@ -1,0 +1,283 @@
+"""What the planner knows about a model: parameter counts and the bytes autograd saves for
+backward, per part (the embedding side before the layers, one layer, the head side after
+them), for a given sequence length.
+
+From a Hugging Face config (a dict or a config.json) the counts follow the transformer block
+the config describes; nothing here is keyed on a model's name. The keys read, whatever the
+family calls them: hidden size, layers, heads, key/value heads, head dim, intermediate size,
+vocabulary, learned or rotary positions, token types, tied embeddings, gated MLP, norm kind,
+biases, dropout. Assumptions, stated once:
+- attention is fused (PyTorch's scaled_dot_product_attention, as transformers uses by default):
+  it saves q, k, v, its output and a per-head log-sum-exp, not the [seq, seq] scores. A config
+  that asks for "eager" attention (`attn_implementation` / `_attn_implementation`) saves the
+  softmax output too;
+- a gated MLP (SwiGLU/GeGLU: silu, swish, swiglu, geglu activations) has three matrices and
+  saves four [intermediate] tensors per token, a plain one two matrices and two tensors;
+- the loss is computed in fp32 on the logits (transformers upcasts them), saving the fp32
+  log-softmax;
+- under tensor parallelism every block's matrices, the embedding and the head are sharded
+  (the whole model built under smp.tensor_parallelism()); norms and positions stay replicated,
+  and so do the tensors saved outside the sharded matmuls (norm inputs and outputs).
+nn.Modules get measured counts instead: see measured_facts.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+_GATED_ACTIVATIONS = ("silu", "swish", "swiglu", "geglu")
+# [intermediate]-sized tensors an activation function saves (its input included). Fused ones
+# (gelu, relu, silu, gelu_pytorch_tanh) save their input; transformers' "gelu_new" is a Python
+# formula (x * (1 + tanh(...))) whose autograd saves four (measured with measured_facts on GPT-2).
+_ACTIVATION_SAVES = {"gelu_new": 4}
+_DROPOUT_KEYS = (
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "hidden_dropout",
+    "attention_dropout",
+    "dropout",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Bytes saved for backward per sample (one sequence): floating-point elements (whose size
+    follows the training precision) and fixed bytes (masks, indices, fp32 statistics), each
+    split into what every tensor-parallel rank keeps whole and what is cut across the group."""
+
+    replicated_elements: float = 0.0
+    sharded_elements: float = 0.0
+    replicated_bytes: float = 0.0
+    sharded_bytes: float = 0.0
+
+    def per_rank(self, element_bytes: int, tp: int) -> float:
+        return (
+            self.replicated_elements * element_bytes
+            + self.replicated_bytes
+            + (self.sharded_elements * element_bytes + self.sharded_bytes) / tp
+        )
+
+    def __add__(self, other: Saved) -> Saved:
+        return Saved(
+            *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True))
+        )
+
+    def __mul__(self, k: float) -> Saved:
+        return Saved(*(a * k for a in dataclasses.astuple(self)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """A part's parameter count and how much of it tensor parallelism cuts."""
+
+    total: int = 0
+    sharded: int = 0
+
+    def per_rank(self, tp: int) -> float:
+        return self.total - self.sharded + self.sharded / tp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    source: str  # where the counts come from, for the report
+    seq_len: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    # Parameters: the embedding side (before the first layer), one layer, the head side (after).
+    before: Params
+    layer: Params
+    after: Params
+    # A head weight tied to the input embedding: counted once in `before`; a pipeline whose
+    # last stage is not the first keeps a replica there (smp replicates shared parameters).
+    tied: Params
+    # Saved for backward per sample: embedding side, one layer, head side (with the loss), and
+    # what a checkpointed layer keeps instead of its activations (its input).
+    saved_before: Saved
+    saved_layer: Saved
+    saved_after: Saved
+    saved_layer_input: Saved
+    # The largest tensor the head makes per sample (the logits), for the backward's working memory.
+    logits_elements: float
+    # Forward FLOPs per token: one layer, and the head (the embedding is a lookup).
+    layer_flops_per_token: float
+    head_flops_per_token: float
+
+    @property
+    def parameters(self) -> int:
+        return self.before.total + self.layers * self.layer.total + self.after.total
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    """A config.json as a dict, with a clear error for a missing or malformed file."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(
+            f"smp.plan: cannot read the model config {path!r} ({e.strerror}); pass a config.json"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"smp.plan: {path!r} is not valid JSON ({e}); pass a Hugging Face config.json"
+        ) from e
+    if not isinstance(config, dict):
+        raise ValueError(f"smp.plan: {path!r} must hold a JSON object (a Hugging Face config)")
+    return config
+
+
+def _first(config: Mapping[str, Any], keys: tuple[str, ...], what: str, default: Any = ...) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is ...:
+        raise ValueError(
+            f"smp.plan: the model config has no {what} (looked for {', '.join(repr(k) for k in keys)}); "
+            "pass a Hugging Face config.json of a transformer"
+        )
+    return default
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"smp.plan: the model config's {what} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The block a Hugging Face config describes, under the names this module uses."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    positions: int  # learned position embeddings (0: rotary or none)
+    token_types: int
+    tied: bool
+    gated: bool
+    mlp_saves: int  # [intermediate] tensors a plain MLP saves
+    norm_params: int  # per norm: hidden (RMSNorm) or 2 * hidden (LayerNorm)
+    attention_bias: bool
+    mlp_bias: bool
+    dropout: bool
+    eager_attention: bool
+
+
+def _shape(config: Mapping[str, Any]) -> _Shape:
+    hidden = _positive_int(
+        _first(config, ("hidden_size", "n_embd", "d_model", "dim"), "hidden size"), "hidden size"
+    )
+    heads = _positive_int(
+        _first(config, ("num_attention_heads", "n_head", "num_heads"), "head count"), "head count"
+    )
+    kv_heads = _positive_int(
+        _first(config, ("num_key_value_heads", "n_kv_heads"), "", heads), "key/value heads"
+    )
+    head_dim = _positive_int(_first(config, ("head_dim",), "", hidden // heads), "head dim")
+    act = str(_first(config, ("hidden_act", "activation_function", "hidden_activation"), "", "gelu")).lower()
+    rotary = any(k.startswith("rope") for k in config) or config.get("position_embedding_type") == "rotary"
+    positions = 0 if rotary else int(_first(config, ("n_positions", "max_position_embeddings"), "", 0))
+    bias = bool(config.get("attention_bias", config.get("bias", True)))
+    mlp_saves = 1 + _ACTIVATION_SAVES.get(act, 1)  # the activation's, then the down projection's input
+    attn_impl = str(config.get("attn_implementation") or config.get("_attn_implementation") or "sdpa")
+    return _Shape(
+        hidden=hidden,
+        layers=_positive_int(
+            _first(config, ("num_hidden_layers", "n_layer", "num_layers"), "layer count"), "layers"
+        ),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=_positive_int(
+            _first(config, ("intermediate_size", "n_inner", "ffn_dim"), "", 4 * hidden), "intermediate size"
+        ),
+        vocab=_positive_int(_first(config, ("vocab_size",), "vocabulary size"), "vocabulary size"),
+        positions=positions,
+        token_types=int(config.get("type_vocab_size") or 0),
+        tied=bool(config.get("tie_word_embeddings", True)),  # transformers' default
+        gated=any(g in act for g in _GATED_ACTIVATIONS),
+        mlp_saves=mlp_saves,
+        norm_params=hidden if "rms_norm_eps" in config else 2 * hidden,
+        attention_bias=bias,
+        mlp_bias=bool(config.get("mlp_bias", bias)),
+        dropout=any(float(config.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
+        eager_attention=attn_impl == "eager",
+    )
+
+
+def from_hf_config(config: Mapping[str, Any], seq_len: int) -> ModelFacts:
+    """Counts for the transformer a Hugging Face config describes, at `seq_len` tokens per sample."""
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"smp.plan: model must be a Hugging Face config (dict or path), got {type(config).__name__}"
+        )
+    s = _shape(config)
+    h, hd = s.hidden, s.head_dim
+    q, kv = s.heads * hd, s.kv_heads * hd
+    n_mats = 3 if s.gated else 2
+    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv + h) if s.attention_bias else 0)
+    mlp = n_mats * h * s.intermediate + (((n_mats - 1) * s.intermediate + h) if s.mlp_bias else 0)
+    layer = Params(attn + mlp + 2 * s.norm_params, attn + mlp)
+    embedding = s.vocab * h
+    before = Params(embedding + (s.positions + s.token_types) * h, embedding)
+    head = Params(0 if s.tied else embedding, 0 if s.tied else embedding)
+    after = Params(head.total + s.norm_params, head.sharded)
+    return ModelFacts(
+        source="Hugging Face config (formula, see smp/planner/model_facts.py)",
+        seq_len=seq_len,
+        hidden=h,
+        layers=s.layers,
+        heads=s.heads,
+        kv_heads=s.kv_heads,
+        vocab=s.vocab,
+        before=before,
+        layer=layer,
+        after=after,
+        tied=Params(embedding, embedding) if s.tied else Params(),
+        saved_before=_saved_embedding(s, seq_len),
+        saved_layer=_saved_layer(s, seq_len),
+        saved_after=_saved_head(s, seq_len),
+        saved_layer_input=Saved(replicated_elements=seq_len * h),
+        logits_elements=seq_len * s.vocab,
+        layer_flops_per_token=2 * (attn + mlp) + 4 * seq_len * q,  # matmuls, then scores and context
+        head_flops_per_token=2 * embedding,
+    )
+
+
+def _saved_embedding(s: _Shape, seq: int) -> Saved:
+    # The lookup saves the int64 token ids; the sum with positions saves nothing.
+    return Saved(replicated_bytes=seq * (8 + (s.hidden if s.dropout else 0)))
+
+
+def _saved_layer(s: _Shape, seq: int) -> Saved:
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    # Two norms, each saving its input and its output (the next matmul's input).
+    replicated = 4 * h
+    # q, k, v and the attention output (also the output projection's input); the MLP's
+    # intermediates (gated: gate, up, act(gate), product; plain: the activation's, and its output).
+    sharded = q + 2 * kv + q + (4 if s.gated else s.mlp_saves) * s.intermediate
+    sharded_bytes = 4 * s.heads  # fp32 log-sum-exp per head
+    if s.eager_attention:
+        sharded += s.heads * seq  # the softmax output
+        sharded_bytes += s.heads * seq if s.dropout else 0
+    replicated_bytes = 2 * h if s.dropout else 0  # residual dropout masks (one byte each)
+    return Saved(seq * replicated, seq * sharded, seq * replicated_bytes, seq * sharded_bytes)
+
+
+def _saved_head(s: _Shape, seq: int) -> Saved:
+    # The final norm's input and output, and the loss's fp32 log-softmax (vocab-parallel under
+    # tensor parallelism). The logits themselves are not saved (the matmul saves its inputs);
+    # they count as working memory while they are alive.
+    return Saved(replicated_elements=seq * 2 * s.hidden, sharded_bytes=seq * s.vocab * 4)

@@ -1,0 +1,90 @@
+"""A relative step time: how far a layout is from the ideal (the step's FLOPs spread evenly over
+every GPU with nothing else to do). Meant to rank layouts, not to predict seconds.
+
+Stated assumptions (A100 p4d nodes, as in the seed's reference table):
+- a GPU sustains 125 TFLOP/s in bf16/fp16 (40% of its 312 peak), 8 times less in fp32;
+- backward costs two forwards; a checkpointed layer runs its forward once more;
+- the pipeline bubble: a stage idles (pp - 1) / (microbatches + pp - 1) of the pipeline's time;
+- ring collectives move 2 (n - 1) / n of the buffer per rank; within a node at 150 GB/s per GPU
+  (NVLink, one direction), across nodes at 50 GB/s per node (EFA, 400 Gbps) shared by its GPUs;
+- tensor parallelism all-reduces each layer's output twice forward and twice backward;
+  pipeline stages send one activation per microbatch each way; data parallelism all-reduces
+  the fp32 gradients once a step; none of it overlaps with compute (an upper bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from smp.planner.layout import Layout
+from smp.planner.memory import Workload, microbatch_size, stage_layers
+from smp.planner.model_facts import ModelFacts
+
+HALF_FLOPS = 125e12
+FP32_FLOPS = HALF_FLOPS / 8
+NVLINK_BYTES = 150e9
+EFA_BYTES_PER_NODE = 50e9
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    compute: float  # seconds, the busiest stage, recompute included
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+    ideal: float  # the step's forward and backward FLOPs over every GPU, no overheads
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+
+    @property
+    def relative(self) -> float:
+        return self.total / self.ideal
+
+
+def _link(span_nodes: bool, gpus_per_node: int) -> float:
+    """Bytes per second per rank of a ring: NVLink inside a node, a GPU's share of EFA across nodes."""
+    return EFA_BYTES_PER_NODE / gpus_per_node if span_nodes else NVLINK_BYTES
+
+
+def _ring(bytes_: float, n: int, bandwidth: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * bytes_ / bandwidth
+
+
+def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
+    flops = HALF_FLOPS if layout.half else FP32_FLOPS
+    elem = 2 if layout.half else 4
+    mb = microbatch_size(layout, workload)
+    tokens = mb * workload.seq_len
+    layers = max(stage_layers(facts.layers, layout.pp))
+    forward = tokens * (layers * facts.layer_flops_per_token + facts.head_flops_per_token / layout.pp)
+    forward /= layout.tp
+    recompute = tokens * layers * facts.layer_flops_per_token / layout.tp if layout.checkpoint_group else 0.0
+    per_microbatch = (3 * forward + recompute) / flops
+    m, pp = layout.microbatches, layout.pp
+    compute = m * per_microbatch
+    bubble = (pp - 1) * per_microbatch  # (pp-1)/(m+pp-1) of the pipeline's m+pp-1 slots
+    per_node = workload.gpus_per_node
+    boundary = tokens * facts.hidden * elem
+    tp_link = _link(layout.tp > per_node, per_node)
+    tp_comm = m * layers * 4 * _ring(boundary, layout.tp, tp_link)
+    pp_link = _link(layout.tp * pp > per_node, per_node)
+    pp_comm = 0.0 if pp == 1 else 2 * m * boundary / pp_link
+    grad_bytes = 4 * _stage_params(facts, layout)
+    dp_link = _link(layout.tp * pp * layout.rdp > per_node, per_node)
+    dp_comm = _ring(grad_bytes, layout.rdp, dp_link)
+    total_flops = (
+        3
+        * workload.global_batch
+        * workload.seq_len
+        * (facts.layers * facts.layer_flops_per_token + facts.head_flops_per_token)
+    )
+    ideal = total_flops / (workload.gpus * flops)
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, ideal)
+
+
+def _stage_params(facts: ModelFacts, layout: Layout) -> float:
+    layers = max(stage_layers(facts.layers, layout.pp))
+    return layers * facts.layer.per_rank(layout.tp) + facts.before.per_rank(layout.tp)
