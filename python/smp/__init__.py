@@ -57,6 +57,7 @@ from smp.parallel_state import (
     tp_size,
 )
 from smp.pipeline.partitioning import partition, set_partition
+from smp.pipeline.timeline import write as write_timeline
 from smp.step import StepOutput, step
 from smp.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
 from smp.topology import CommGroup, RankType, Topology
@@ -160,4 +161,5 @@ __all__ = [
     "tp_barrier",
     "tp_rank",
     "tp_size",
+    "write_timeline",
 ]
