@@ -89,6 +89,11 @@ class Pending:
         self._recorder = recorder
         self._open: list[tuple[dist.Work, str, int, dict]] = []
 
+    @property
+    def recording(self) -> bool:
+        """Whether the recorder records this step (so adding is worth its cost)."""
+        return self._recorder.recording
+
     def add(self, work: dist.Work, kind: str, start_ns: int, **fields: Any) -> None:
         self._open.append((work, kind, start_ns, fields))
 

@@ -130,16 +130,7 @@ def write_picture(ranks: list[tuple[dict, list]], path: str) -> None:
     ax = fig.add_subplot()
     span = max((e[2] - origin for _, events in ranks for e in events), default=1) / 1e6
     for row, (_, events) in enumerate(ranks):
-        waits = _waits(events)
-        for kind, start, end, _, fields in events:
-            if not is_compute(kind):
-                continue
-            inside = [(max(a, start), min(b, end)) for a, b in waits if a < end and b > start]
-            busy_from = max([start, *(b for _, b in inside)])
-            ms = [(t - origin) / 1e6 for t in (start, end, busy_from)]
-            _draw_action(ax, row, kind, ms[0], ms[1] - ms[0], fields, span, ms[2])
-            for a, b in inside:
-                ax.broken_barh([((a - origin) / 1e6, (b - a) / 1e6)], (row - 0.38, 0.76), facecolors="0.88")
+        _draw_row(ax, row, events, origin, span)
     _draw_step_starts(ax, ranks, origin)
     ax.set_yticks(range(len(ranks)), [rank_name(identity) for identity, _ in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)
@@ -161,26 +152,49 @@ def _waits(events: list[tuple]) -> list[tuple[int, int]]:
     return [(e[4]["wait_start"], e[2]) for e in events if e[0] == "recv"]
 
 
-def _draw_action(
-    ax, row: int, kind: str, x: float, width: float, fields: dict, span: float, busy_from: float
-) -> None:
+def _style(kind: str, microbatch: int) -> tuple[tuple[float, ...], str | None]:
+    """Face colour by microbatch; backward darker and hatched, a later kind (e.g. "W") paler, dotted."""
     from matplotlib import colormaps
     from matplotlib.colors import to_rgb
 
-    k = fields.get("microbatch", 0)
-    base = to_rgb(colormaps["tab10"](k % 10))
+    base = to_rgb(colormaps["tab10"](microbatch % 10))
     if kind == "F":
-        face, hatch = base, None
-    elif kind == "B":
-        face, hatch = tuple(0.65 * c for c in base), "///"
-    else:  # a later kind (e.g. "W"): lighter, dotted
-        face, hatch = tuple(0.5 + 0.5 * c for c in base), ".."
-    ax.broken_barh([(x, width)], (row - 0.38, 0.76), facecolors=face, edgecolor="black", hatch=hatch, lw=0.4)
-    busy = x + width - busy_from  # the label goes on the part after any wait
-    if busy > span * 0.012:
-        label = str(k) if kind in ("F", "B") else f"{kind}{k}"
-        style = {"ha": "center", "va": "center", "fontsize": 7, "color": "white", "weight": "bold"}
-        ax.text(busy_from + busy / 2, row, label, **style)
+        return base, None
+    if kind == "B":
+        return tuple(0.65 * c for c in base), "///"
+    return tuple(0.5 + 0.5 * c for c in base), ".."
+
+
+def _draw_row(ax, row: int, events: list[tuple], origin: int, span: float) -> None:
+    """One rank's actions, waits pale on top, labels on the part after the waits. Boxes go in one
+    collection per hatch (a collection per box makes a long run's picture take seconds)."""
+    boxes: dict[str | None, tuple[list, list]] = {}  # hatch -> (x ranges, colours)
+    pale: list[tuple[float, float]] = []
+    waits = _waits(events)
+
+    def ms(t: int) -> float:
+        return (t - origin) / 1e6
+
+    for kind, start, end, _, fields in events:
+        if not is_compute(kind):
+            continue
+        k = fields.get("microbatch", 0)
+        face, hatch = _style(kind, k)
+        ranges, colours = boxes.setdefault(hatch, ([], []))
+        ranges.append((ms(start), ms(end) - ms(start)))
+        colours.append(face)
+        inside = [(max(a, start), min(b, end)) for a, b in waits if a < end and b > start]
+        pale += [(ms(a), ms(b) - ms(a)) for a, b in inside]
+        busy_from = ms(max([start, *(b for _, b in inside)]))
+        if ms(end) - busy_from > span * 0.012:  # wide enough for its number
+            label = str(k) if kind in ("F", "B") else f"{kind}{k}"
+            style = {"ha": "center", "va": "center", "fontsize": 7, "color": "white", "weight": "bold"}
+            ax.text((busy_from + ms(end)) / 2, row, label, **style)
+    height = (row - 0.38, 0.76)
+    for hatch, (ranges, colours) in boxes.items():
+        ax.broken_barh(ranges, height, facecolors=colours, edgecolor="black", hatch=hatch, lw=0.4)
+    if pale:
+        ax.broken_barh(pale, height, facecolors="0.88")
 
 
 def _draw_step_starts(ax, ranks: list[tuple[dict, list]], origin: int) -> None:
