@@ -33,11 +33,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from smp import faults
 from smp.config import TimelineOptions
 
 now = time.perf_counter_ns  # the clock every event uses (ns, monotonic)
 
 _recorder: Recorder | None = None
+_group: dist.ProcessGroup | None = None  # smp's messaging group (all ranks): the clock exchange, the gather
 
 
 class Recorder:
@@ -137,15 +139,13 @@ def stop() -> None:
     _recorder, _group = None, None
 
 
-_group: dist.ProcessGroup | None = None
-
-
 def _clock_offset(group: dist.ProcessGroup) -> int:
     """ns to add to this rank's clock to read rank 0's (0 on rank 0's host: one monotonic clock)."""
-    dist.barrier(group=group)
-    reading = (socket.gethostname(), now())
     readings: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(readings, reading, group=group)
+    with faults.waiting("aligning the timeline's clocks", faults.group_of("messaging", group)):
+        dist.barrier(group=group)
+        reading = (socket.gethostname(), now())
+        dist.all_gather_object(readings, reading, group=group)
     host0, t0 = readings[0]
     return 0 if reading[0] == host0 else t0 - reading[1]
 
@@ -161,7 +161,8 @@ def write(path: str | None = None) -> str | None:
         )
     mine = (rec.identity, rec.take())
     gathered: list[Any] | None = [None] * dist.get_world_size(_group) if rec.identity["rank"] == 0 else None
-    dist.gather_object(mine, gathered, dst=0, group=_group)
+    with faults.waiting("gathering the timeline on rank 0", faults.group_of("messaging", _group)):
+        dist.gather_object(mine, gathered, dst=0, group=_group)
     if gathered is None:
         return None
     from smp.pipeline import timeline_files  # matplotlib is imported only by the rank that draws
