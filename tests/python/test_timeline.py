@@ -166,3 +166,40 @@ def test_text_rendering():
         simple
         == "stage 0: F0 F1 .  .  B0 B1\nstage 1: .  F0 F1 B0 B1\n6 slots; idle 4 of 12 stage-slots (33%)"
     )
+
+
+def test_recorder_windows():
+    """Which steps are recorded and when the files are due: `start`, `steps` and `every`."""
+    from smp.pipeline import timeline
+
+    def due_steps(**options):
+        rec = timeline.Recorder(config.TimelineOptions(**options), {"rank": 0}, 0)
+        recorded, due = [], []
+        for step in range(1, 11):
+            if rec.begin_step():
+                recorded.append(step)
+                rec.record("F", 0, 1, microbatch=0)
+                if rec.end_step():
+                    due.append(step)
+        return recorded, due
+
+    assert due_steps() == (list(range(1, 11)), [])  # until smp.write_timeline()
+    assert due_steps(start=3, steps=2) == ([3, 4], [4])
+    assert due_steps(start=2, steps=5, every=2) == ([2, 3, 4, 5, 6], [3, 5, 6])
+    assert due_steps(every=4) == (list(range(1, 11)), [4, 8])
+
+
+def test_a_later_action_kind_is_drawn_like_the_others():
+    """A "W" action (zero-bubble's weight gradient) needs no change: a compute event like F and B."""
+    from smp.pipeline import timeline_files
+
+    identity = {"rank": 0, "stage": 0, "tp": 0, "rdp": 0}
+    events = [
+        (kind, 1000 * i, 1000 * i + 900, 1, {"microbatch": 0, "stage": 0}) for i, kind in enumerate("FBW")
+    ]
+    compute = [e for e in timeline_files.trace_events([(identity, events)]) if e["ph"] == "X"]
+    assert [(e["name"], e["cat"], e["tid"]) for e in compute] == [
+        ("F0", "F", 0),
+        ("B0", "B", 0),
+        ("W0", "W", 0),
+    ]
