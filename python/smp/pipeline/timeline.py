@@ -21,13 +21,16 @@ per message, nothing allocated. Writing is a collective: every rank sends its ev
 (an object gather), which writes <path>/timeline.json and <path>/timeline.png. It happens after
 `steps` recorded steps, after every `every` recorded steps, or when the script calls
 smp.write_timeline() on every rank. It is never left to atexit: by then a rank may have
-destroyed its groups or died, and a gather that waits for it would hang the others.
+destroyed its groups or died, and a gather that waits for it would hang the others; at exit rank 0
+only says so if events were recorded and never written.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -77,6 +80,11 @@ class Recorder:
         (microbatch, stage, peer, bytes, ...). Ignored outside recorded steps."""
         if self.recording:
             self._events.append((kind, start_ns + self._offset, end_ns + self._offset, self._step, fields))
+
+    @property
+    def unwritten(self) -> int:
+        """Events recorded since the last write."""
+        return len(self._events)
 
     def take(self) -> list[tuple]:
         events, self._events = self._events, []
@@ -131,6 +139,19 @@ def start(options: TimelineOptions | None, identity: dict[str, int], group: dist
     _recorder, _group = None, group
     if options is not None:
         _recorder = Recorder(options, identity, _clock_offset(group))
+        atexit.unregister(_warn_unwritten)  # registered once, however often smp.init runs
+        atexit.register(_warn_unwritten)
+
+
+def _warn_unwritten() -> None:
+    """At exit, a note (no collective: peers may be gone) that recorded events were never written."""
+    rec = _recorder
+    if rec is not None and rec.unwritten and rec.identity["rank"] == 0:
+        print(
+            f"smp: the timeline recorded {rec.unwritten} events on rank 0 that were never written; call "
+            "smp.write_timeline() on every rank after training, or give 'timeline' a 'steps' or 'every'",
+            file=sys.stderr,
+        )
 
 
 def stop() -> None:
