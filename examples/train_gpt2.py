@@ -10,9 +10,11 @@ tied embedding over the tensor-parallel group, and averages (or shards, with
 vocabulary 256, no tokenizer to fetch.
 
 Rank 0 shows a progress bar (loss, tokens/s), writes `<out-dir>/log.csv` (one row per step)
-and `<out-dir>/loss.png` at the end. With --checkpoint-dir the job saves there every
---save-every steps and at the end, and resumes from the newest checkpoint it finds. On
-machines with GPUs every rank uses its local GPU and the collectives go through NCCL.
+and `<out-dir>/loss.png` at the end; with --timeline also `<out-dir>/timeline.json` (a Chrome
+trace of a few steps) and `<out-dir>/timeline.png` (the pipeline schedule as it ran). With
+--checkpoint-dir the job saves there every --save-every steps and at the end, and resumes from
+the newest checkpoint it finds. On machines with GPUs every rank uses its local GPU and the
+collectives go through NCCL.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import smp
 import torch
 
 HERE = Path(__file__).resolve().parent
+TIMELINE_START, TIMELINE_STEPS = 11, 3  # a few steps once partitioning and first touches are over
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +59,11 @@ def parse_args() -> argparse.Namespace:
     files.add_argument("--out-dir", default="runs/gpt2", help="log.csv and loss.png (rank 0)")
     files.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest")
     files.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    files.add_argument(
+        "--timeline",
+        action="store_true",
+        help=f"record {TIMELINE_STEPS} steps after warm-up: <out-dir>/timeline.json and timeline.png",
+    )
     return p.parse_args()
 
 
@@ -106,6 +114,7 @@ def main() -> None:
             "ddp": True,
             "shard_optimizer_state": args.shard_optimizer_state,
             "bf16": args.bf16,
+            "timeline": _timeline(args),
         }
     )
     device = (
@@ -185,6 +194,18 @@ def main() -> None:
         print(
             f"done: {args.steps} steps, log {args.out_dir}/log.csv, curve {args.out_dir}/loss.png", flush=True
         )
+        if args.timeline:
+            print(f"timeline: {args.out_dir}/timeline.json (ui.perfetto.dev), {args.out_dir}/timeline.png")
+
+
+def _timeline(args) -> dict | None:
+    """The timeline's config: TIMELINE_STEPS steps from TIMELINE_START (earlier in a short run),
+    written to the out dir by smp once they are done."""
+    if not args.timeline:
+        return None
+    steps = min(TIMELINE_STEPS, args.steps)
+    start = max(1, min(TIMELINE_START, args.steps - steps + 1))
+    return {"path": args.out_dir, "start": start, "steps": steps}
 
 
 def _open_log(args, start: int, n_params: int, rdp: int):

@@ -58,6 +58,7 @@ from smp.parallel_state import (
 )
 from smp.pipeline.partitioning import partition, set_partition
 from smp.planner import plan as plan  # the config planner (python -m smp.plan is smp/plan.py)
+from smp.pipeline.timeline import write as write_timeline
 from smp.step import StepOutput, step
 from smp.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
 from smp.topology import CommGroup, RankType, Topology
@@ -162,4 +163,5 @@ __all__ = [
     "tp_barrier",
     "tp_rank",
     "tp_size",
+    "write_timeline",
 ]

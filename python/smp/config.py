@@ -57,6 +57,19 @@ ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "presca
 NULL_MEANS_DEFAULT = ("default_partition",)
 
 
+TIMELINE_VAR = "SMP_TIMELINE"  # a directory: the timeline on, written there
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineOptions:
+    """What the pipeline timeline records and when it writes (see smp.pipeline.timeline)."""
+
+    path: str = "smp_timeline"  # the directory rank 0 writes timeline.json and timeline.png in
+    start: int = 1  # the first step recorded (1: the first @smp.step call)
+    steps: int | None = None  # how many steps to record (None: every step from `start` on)
+    every: int | None = None  # write after every N recorded steps (None: once `steps` are recorded)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The validated configuration (see docs: every SMP v1 parameter, same defaults)."""
@@ -93,6 +106,10 @@ class Config:
     # Report a NaN/inf loss or gradient with the step and the stage it first appeared on
     # (on with debug too); fp16 loss scaling's overflow handling is unchanged.
     check_finite: bool = False
+    # Record each rank's pipeline actions, messages and gradient buckets and write a Chrome trace
+    # and a picture (smp.pipeline.timeline). Given as true, a dict of TimelineOptions' fields, or
+    # the environment variable SMP_TIMELINE=<dir>; None: off.
+    timeline: TimelineOptions | None = None
 
     @property
     def placement_order(self) -> str:
@@ -170,6 +187,8 @@ def parse(config: Mapping[str, Any] | None = None) -> Config:
             stacklevel=3,
         )
     merged = {**_normalized(from_env(DEFAULTS_VAR), DEFAULTS_VAR), **script, **launcher}
+    if "timeline" not in merged and os.environ.get(TIMELINE_VAR):
+        merged["timeline"] = {"path": os.environ[TIMELINE_VAR]}
     values = {name: _check_value(name, value) for name, value in merged.items()}
     return _check_combination(Config(**values))
 
@@ -236,6 +255,8 @@ def _check_value(name: str, value: Any) -> Any:
         return value
     if name == "timeout":
         return check_timeout(value, "'timeout'")
+    if name == "timeline":
+        return check_timeline(value)
     if name in _CHOICES:
         if value not in _CHOICES[name]:
             choices = " or ".join(repr(c) for c in _CHOICES[name])
@@ -268,6 +289,39 @@ def check_timeout(value: Any, what: str) -> float | None:
             "give the longest a rank may wait for a peer, e.g. 300"
         )
     return float(value)
+
+
+_TIMELINE_KEYS = {f.name for f in dataclasses.fields(TimelineOptions)}
+
+
+def check_timeline(value: Any) -> TimelineOptions | None:
+    """'timeline': true/false/null, or a dict of TimelineOptions' fields."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return TimelineOptions()
+    if not isinstance(value, Mapping):
+        raise _type_error("timeline", value, 'true, false or a dict like {"path": "timeline", "every": 10}')
+    unknown = sorted(str(k) for k in value if k not in _TIMELINE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"smp config: 'timeline' has unknown key(s) {', '.join(repr(k) for k in unknown)}; "
+            f"valid keys: {', '.join(sorted(_TIMELINE_KEYS))}"
+        )
+    path = value.get("path", TimelineOptions.path)
+    if not isinstance(path, str) or not path:
+        raise ValueError(
+            f"smp config: 'timeline' path must be a non-empty string (a directory), got {path!r}"
+        )
+    counts = {}
+    for key in ("start", "steps", "every"):
+        n = value.get(key, getattr(TimelineOptions, key))
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(
+                f"smp config: 'timeline' {key} must be a positive integer (a number of steps), got {n!r}"
+            )
+        counts[key] = n
+    return TimelineOptions(path=path, **counts)
 
 
 def _check_combination(config: Config) -> Config:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from smp import config as config_lib
 from smp import faults
 from smp._backend import BACKEND_NAME
+from smp.pipeline import timeline
 from smp.topology import CommGroup, Topology
 
 if TYPE_CHECKING:
@@ -129,6 +130,17 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
     groups, messaging = kept if kept is not None else _create_groups(topology, rank, group_timeout)
     _state = _State(cfg, topology, rank, local_rank, local_size, groups, messaging)
     faults.install(rank, group_timeout.total_seconds())
+    timeline.start(cfg.timeline, _identity(topology, rank), messaging)
+
+
+def _identity(topology: Topology, rank: int) -> dict[str, int]:
+    """How the timeline names this rank: its place in each parallelism."""
+    return {
+        "rank": rank,
+        "stage": topology.group_rank(CommGroup.PP_GROUP, rank),
+        "tp": topology.group_rank(CommGroup.TP_GROUP, rank),
+        "rdp": topology.group_rank(CommGroup.RDP_GROUP, rank),
+    }
 
 
 def _create_groups(topology: Topology, rank: int, timeout: datetime.timedelta):
@@ -244,6 +256,7 @@ def reset(keep_groups: bool = False) -> None:
         return
     if _state.checkpoint_group is not None:
         dist.destroy_process_group(_state.checkpoint_group)
+    timeline.stop()
     if keep_groups:
         key = (_state.topology, group_timeout_of(_state.config))
         _kept[key] = (_state.process_groups, _state.messaging_group)

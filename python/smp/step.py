@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from smp import faults, parallel_state
-from smp.pipeline import schedule
+from smp.pipeline import schedule, timeline
 from smp.pipeline.microbatch import Microbatch
 
 
@@ -116,12 +116,21 @@ def step(
         engine = st.model.engine if st.model is not None else None
         _calls[0] += 1
         action = None
+        recorder = timeline.recorder()
+        if recorder is not None and not recorder.begin_step():
+            recorder = None  # a step the timeline skips costs what an untimed one does
         try:
             if engine is not None:
                 engine.start_step()
             for action in actions:
                 mb = microbatches[action.microbatch]
+                if recorder is not None:
+                    began = timeline.now()
                 mb.resume()
+                if recorder is not None:
+                    recorder.record(
+                        action.kind, began, timeline.now(), microbatch=action.microbatch, stage=pp_rank
+                    )
                 if action.kind == "F" and pp_size > 1 and mb.forward_calls == 0:
                     raise RuntimeError(
                         f"smp.step: {fn.__name__} returned without calling the DistributedModel on "
@@ -130,6 +139,8 @@ def step(
                     )
             if engine is not None:
                 engine.finish_step()
+            if recorder is not None and recorder.end_step():
+                timeline.write()
         except BaseException as error:
             for mb in microbatches:
                 mb.abort()

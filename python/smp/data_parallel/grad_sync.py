@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp import params as param_facts
-from smp.pipeline import microbatch
+from smp.pipeline import microbatch, timeline
 
 
 @dataclasses.dataclass
@@ -62,6 +62,8 @@ class GradSync:
         self._counts: dict[int, int] = {}
         self._pending: list[int] = []
         self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
+        recorder = timeline.recorder()
+        self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
 
     def use_flat_grads(
         self, grads: torch.Tensor, params: list[torch.nn.Parameter], offsets: list[int]
@@ -93,6 +95,8 @@ class GradSync:
             return  # a forward-only step, or one that only accumulates
         while len(self._launched) < len(self._buckets):
             self._launch(len(self._launched))
+        if self._timed is not None:
+            self._timed.poll()
         for i, (bucket, flat, work) in enumerate(self._launched):
             with faults.waiting(self._bucket_op(i), faults.group_of("data-parallel", self._dp_group)):
                 work.wait()
@@ -105,6 +109,8 @@ class GradSync:
                 self._set_grad(p, flat[offset : offset + n].view_as(p))
                 offset += n
         self._launched = []
+        if self._timed is not None:
+            self._timed.close()
         if self._fp32:
             for p in self._params:
                 main = param_facts.grad32(p)
@@ -154,9 +160,15 @@ class GradSync:
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 attach_grad(p, view)
             flat = bucket.flat
+        timed = self._timed is not None and self._timed.recording  # off: one test
+        launched = timeline.now() if timed else 0
         with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
             work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
         self._launched.append((bucket, flat, work))
+        if timed:
+            self._timed.poll()
+            nbytes = flat.numel() * flat.element_size()
+            self._timed.add(work, "bucket", launched, bucket=index, params=len(bucket.params), bytes=nbytes)
 
     def _bucket_op(self, index: int) -> str:
         return f"gradient all-reduce of bucket {index + 1} of {len(self._buckets)}"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp.passes import PipelineGraph, Value
-from smp.pipeline import activation_meter
+from smp.pipeline import activation_meter, timeline
 
 _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
 _KIND_NAMES = ("activation", "output", "gradient")
@@ -30,16 +30,28 @@ _KIND_NAMES = ("activation", "output", "gradient")
 class _Incoming:
     """A posted receive; wait() gives the tensor on the stage's device (once; later calls reuse it)."""
 
-    def __init__(self, buffer: torch.Tensor, work: dist.Work, device: torch.device, context: tuple = ()):
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        work: dist.Work,
+        device: torch.device,
+        context: tuple = (),
+        timed: tuple[timeline.Recorder, int, dict] | None = None,
+    ):
         self._buffer, self._work, self._device = buffer, work, device
         self._context = context  # faults.waiting's (operation, group, peer): named if the peer fails
+        self._timed = timed  # with the timeline on: (recorder, post time, the event's fields)
         self._tensor: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._tensor is None:
+            waited = timeline.now() if self._timed is not None else 0
             with faults.waiting(*self._context):
                 self._work.wait()
             self._tensor = self._buffer.to(self._device)
+            if self._timed is not None:
+                recorder, posted, fields = self._timed
+                recorder.record("recv", posted, timeline.now(), wait_start=waited, **fields)
         return self._tensor
 
 
@@ -91,6 +103,8 @@ class StageRuntime:
             if isinstance(n.meta.get("val"), torch.Tensor)
         ]
         self.meter: activation_meter.SavedActivationMeter | None = None
+        self._timeline = timeline.recorder()
+        self._sending = timeline.Pending(self._timeline) if self._timeline is not None else None
 
     # --- forward ------------------------------------------------------------
 
@@ -181,9 +195,13 @@ class StageRuntime:
         return self._in_flight[k].produced
 
     def finish_step(self) -> None:
+        if self._sending is not None:
+            self._sending.poll()
         with faults.waiting(f"pipeline stage {self.index} completing its sends", self._group_name()):
             for work in self._sends:
                 work.wait()
+        if self._sending is not None:
+            self._sending.close()
         self._sends = []
         self._in_flight.clear()
 
@@ -194,16 +212,43 @@ class StageRuntime:
 
     def _send(self, tensor: torch.Tensor, dst_stage: int, kind: int, k: int, name: str) -> None:
         tag = self._tag(kind, k, name)
-        self._sends.append(dist.isend(tensor.cpu(), dst=self._ranks[dst_stage], group=self._group, tag=tag))
+        timed = self._timeline is not None and self._timeline.recording  # off: one test
+        posted = timeline.now() if timed else 0
+        work = dist.isend(tensor.cpu(), dst=self._ranks[dst_stage], group=self._group, tag=tag)
+        self._sends.append(work)
+        if timed:
+            self._sending.poll()
+            fields = self._message_fields(dst_stage, kind, k, name, tag, tensor)
+            self._sending.add(work, "send", posted, **fields)
 
     def _recv(self, value: Value, src_stage: int, kind: int, k: int) -> _Incoming:
         buffer = torch.empty(value.shape, dtype=value.dtype)
         tag = self._tag(kind, k, value.name)
         what = f"pipeline stage {self.index} receiving {_KIND_NAMES[kind]} {value.name!r} of microbatch {k}"
         context = (f"{what} from stage {src_stage}", self._group_name(), self._ranks[src_stage])
+        recording = self._timeline is not None and self._timeline.recording  # off: one test
+        posted = timeline.now() if recording else 0
         with faults.waiting(*context):
             work = dist.irecv(buffer, src=self._ranks[src_stage], group=self._group, tag=tag)
-        return _Incoming(buffer, work, self._device, context)
+        timed = None
+        if recording:
+            self._sending.poll()
+            fields = self._message_fields(src_stage, kind, k, value.name, tag, buffer)
+            timed = (self._timeline, posted, fields)
+        return _Incoming(buffer, work, self._device, context, timed)
+
+    def _message_fields(self, peer: int, kind: int, k: int, name: str, tag: int, tensor: torch.Tensor):
+        """What the timeline notes of a message (the same on both ends, so they can be paired)."""
+        return {
+            "microbatch": k,
+            "stage": self.index,
+            "peer_stage": peer,
+            "peer_rank": self._ranks[peer],
+            "what": _KIND_NAMES[kind],
+            "value": name,
+            "tag": tag,
+            "bytes": tensor.numel() * tensor.element_size(),
+        }
 
     def _group_name(self) -> str:
         return faults.describe_group("pipeline", self._ranks)
