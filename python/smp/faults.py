@@ -90,7 +90,9 @@ def group_of(kind: str, group) -> str:
 def _message(operation: str, group: str, peer: int | None, error: BaseException) -> str:
     culprit = _reported_failure()
     who = f"rank {peer}" if peer is not None else "a rank of that group"
-    if culprit is None and "timed out" in str(error).lower():
+    # Gloo says "Timed out waiting ..." on the rank whose wait expired, and "Application timeout
+    # caused pair closure" on a rank whose pending operation shared that pair: both are timeouts.
+    if culprit is None and any(word in str(error).lower() for word in ("timed out", "timeout")):
         culprit = (
             f"{who} did not answer within the group timeout ({_timeout_seconds:g} s): it hangs, died "
             "without closing its connections (a lost node), or is slower than the timeout allows"
