@@ -33,6 +33,7 @@ import torch
 from smp import checkpoint_storage as storage
 from smp import comm, parallel_state
 from smp.engine import model_state
+from smp.optim import layout_free
 
 _NEWEST = "newest"
 _INCOMPLETE = ".incomplete"
@@ -246,7 +247,7 @@ def resume_from_checkpoint(
                     "pass load_optimizer=False"
                 )
             # first: the optimizer may move the parameters into its flat buffers
-            items, install = optimizer.checkpoint_destinations(places, source.stored("optimizer/"))
+            items, install = optimizer.checkpoint_destinations(places, source.stored(layout_free.PREFIX))
         items |= _model_destinations(model, places, source, strict)
         source.load(items)
         if install is not None:
@@ -291,7 +292,8 @@ def _merge_meta(metas: list[dict]) -> dict:
 def _model_destinations(model, places, source, strict: bool) -> dict[str, Any]:
     """The model's tensors to fill from `source` (all this rank holds), after checking keys."""
     wanted = model_state.model_slices(places, for_save=False)
-    stored = {k[len(_MODEL) :] for k in source.stored(_MODEL)}
+    shapes = {k[len(_MODEL) :]: shape for k, (shape, _) in source.stored(_MODEL).items()}
+    stored = set(shapes)
     missing = sorted(set(wanted) - stored)
     unexpected = sorted(stored - set(model.engine.state_keys))
     if strict and (missing or unexpected):
@@ -301,7 +303,7 @@ def _model_destinations(model, places, source, strict: bool) -> dict[str, Any]:
         )
     for name, slices in wanted.items():
         if name in stored:
-            shape = source.stored(_MODEL + name)[_MODEL + name][0]
+            shape = shapes[name]
             if tuple(shape) != tuple(slices.global_shape):
                 raise ValueError(
                     f"smp.resume_from_checkpoint: {name} has shape {tuple(shape)} in the checkpoint and "

@@ -25,8 +25,11 @@ from smp.sliced import Slices
 MASTER = "master"  # the fp32 master weights of bf16/fp16 training
 
 
+PREFIX = "optimizer/"
+
+
 def key(name: str, state_key: str) -> str:
-    return f"optimizer/{name}/{state_key}"
+    return f"{PREFIX}{name}/{state_key}"
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -89,9 +92,13 @@ def destinations(
     was read, with the plain values, into the optimizer)."""
     items: dict[str, Any] = {}
 
+    by_name: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for stored_key, value in stored.items():  # "optimizer/<name>/<state key>", names have no "/"
+        name, _, state_key = stored_key[len(PREFIX) :].rpartition("/")
+        by_name.setdefault(name, {})[state_key] = value
+
     def stored_keys(p: nn.Parameter) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        prefix = key(places.names[id(p)], "")
-        return {k[len(prefix) :]: v for k, v in stored.items() if k.startswith(prefix)}
+        return by_name.get(places.names[id(p)], {})
 
     def per_element(p: nn.Parameter, shape: torch.Size) -> bool:
         return tuple(shape) == tuple(places.placements[id(p)].global_shape) and len(shape) > 0
