@@ -22,7 +22,9 @@ some unmarked code also reads.
 
 Where things are: driver.py walks the graph and holds what every rule shares; registry.py is
 the table of rules, one per op, which rules/ fills by op family (layers, shape, elementwise,
-matmul); layout.py is the layout and ShardSpec arithmetic. This module runs the driver until
+matmul); layout.py is the layout and ShardSpec arithmetic; linear_forms.py first turns every
+spelling of a linear layer (x @ W.T, einsum, matmul on a [in, out] weight) into one the
+layer rules cut. This module runs the driver until
 no rule asks for another module or parameter to stay replicated, then installs the shards.
 """
 
@@ -38,6 +40,7 @@ from ..fx_utils import fetch_attr, module_stack, parent_path
 from . import rules  # noqa: F401  (importing registers every rule)
 from .driver import Demote, Rewrite
 from .layout import ShardSpec
+from .linear_forms import canonicalize_linears
 
 __all__ = ["ShardSpec", "TensorParallelResult", "tensor_parallel"]
 
@@ -74,6 +77,7 @@ def tensor_parallel(
     """
     replicated = dict(replicated or {})
     size, rank = group.size(), group.rank()
+    canonicalize_linears(gm)  # x @ W.T, matmul on [in, out] weights, einsum: linear layers
 
     def attempt() -> Rewrite:
         rewrite = Rewrite(gm, group.group_name, size, rank, set(marked), replicated, scatter_batch)

@@ -52,13 +52,49 @@ class QKNormAttention(Attention):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+class RawLinear(nn.Linear):
+    """Falcon's FalconLinear: `x @ W.T + b` spelled out, no aten.linear in the graph."""
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class RawLinearAttention(Attention):
+    """Attention whose projections are RawLinear (fused q/k/v among them)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__(dim, heads)
+        self.qkv = RawLinear(dim, 3 * dim, bias=False)
+        self.proj = RawLinear(dim, dim)
+
+
+class EinsumMLP(nn.Module):
+    """An MLP on raw parameters: the up projection an einsum plus a bias, the down projection a
+    matmul on a weight stored [in, out] (as Conv1D stores it)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4 * dim, dim) / math.sqrt(dim))
+        self.up_bias = nn.Parameter(torch.zeros(4 * dim))
+        self.down = nn.Parameter(torch.randn(4 * dim, dim) / math.sqrt(4 * dim))
+
+    def forward(self, x):
+        h = F.gelu(torch.einsum("bti,oi->bto", x, self.up) + self.up_bias)
+        return torch.matmul(h, self.down)
+
+
+def _mlp(dim: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, attention: type[nn.Module] = Attention):
+    def __init__(self, dim: int, heads: int, attention: type[nn.Module] = Attention, mlp=_mlp):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = attention(dim, heads)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = mlp(dim)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -76,11 +112,12 @@ class GPT(nn.Module):
         layers: int = 4,
         seq: int = 16,
         attention: type[nn.Module] = Attention,
+        mlp=_mlp,
     ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, attention) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, attention, mlp) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight

@@ -74,6 +74,8 @@ CASES = {
     # Three heads: attention cannot split over 2 ranks (stays replicated), the MLPs can.
     "gpt_3heads": lambda: gpt_case(layers=2, dim=24, heads=3),
     "qknorm": lambda: gpt_case(layers=2, attention=models.QKNormAttention),
+    # Linears spelled x @ W.T + b, einsum, and matmul on a [in, out] weight.
+    "forms": lambda: gpt_case(layers=2, attention=models.RawLinearAttention, mlp=models.EinsumMLP),
     "twice": lambda: _regression_case(models.TwiceCalled()),
     "skip": lambda: _regression_case(models.LongSkip()),
     "normed": lambda: _regression_case(models.Normed()),

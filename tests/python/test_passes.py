@@ -665,3 +665,46 @@ def test_tensor_parallel_demoted_module_list_covers_its_layers():
     )
     for got, want in zip(captured.graph_module.forward(*flat), expected, strict=True):  # (no input hooks)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _LinearSpellings(torch.nn.Module):
+    """One linear layer spelled every way models spell it, and two products that are none."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 4))  # [out, in]
+        self.w_in_out = torch.nn.Parameter(torch.randn(4, 8))  # [in, out]
+        self.b = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        spelled = [
+            x @ self.w.T + self.b,
+            torch.matmul(x, self.w.t()),
+            x @ self.w.transpose(0, 1),
+            x @ self.w.permute(1, 0),
+            torch.einsum("bsi,oi->bso", x, self.w),
+            torch.einsum("oi,bsi->bso", self.w, x),
+            self.b + torch.einsum("bsi,io->bso", x, self.w_in_out),
+            torch.matmul(x, self.w_in_out),
+        ]
+        not_linear = [self.w @ self.w_in_out, torch.einsum("bsi,oi->bos", x, self.w)]
+        return spelled, not_linear
+
+
+def test_linear_spellings_become_linear_layers_computing_the_same():
+    from smp.passes.tensor_parallel.linear_forms import canonicalize_linears, linear_in_out
+
+    model, x = _LinearSpellings(), torch.randn(2, 3, 4)
+    captured = passes.capture(model, (x,))
+    expected = captured.graph_module(x)
+    assert canonicalize_linears(captured.graph_module) == 8 + 2  # two biases folded
+    nodes = [n for n in captured.graph_module.graph.nodes if n.op == "call_function"]
+    linears = [n for n in nodes if n.target in (torch.ops.aten.linear.default, linear_in_out)]
+    assert len(linears) == 8 and sum(len(n.args) == 3 for n in linears) == 2
+    assert not any(n.target is torch.ops.aten.add.Tensor for n in nodes)  # biases folded in
+    assert {str(n.target) for n in nodes} - {str(n.target) for n in linears} == {
+        "aten.matmul.default",
+        "aten.einsum.default",
+    }
+    for got, want in zip(captured.graph_module(x), expected, strict=True):
+        torch.testing.assert_close(got, want)

@@ -45,7 +45,8 @@ def test_parity(layout):
     world_size, base = LAYOUTS[layout]
     configs = [base | {"prescaled_batch": prescaled} for prescaled in (False, True)]
     # qknorm: replicated per-head norm weights inside the sharded heads (their gradients summed over tp).
-    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa", "qknorm"], configs, timeout=600)
+    # forms: linears spelled x @ W.T + b, einsum and matmul on [in, out] weights (Falcon-style).
+    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa", "qknorm", "forms"], configs, timeout=600)
     tp = base["tensor_parallel_degree"]
     for by_case in per_rank:
         for results in by_case.values():
@@ -58,6 +59,10 @@ def test_parity(layout):
                 assert f"blocks.{i}.{layer}" in gpt, (i, layer, gpt)
         gqa = by_case["gqa"][0]["distributed"]
         assert any(n.endswith("k.weight") for n in gqa) and any(n.endswith("down.weight") for n in gqa)
+        forms = by_case["forms"][0]["distributed"]
+        for i in {n.split(".")[1] for n in forms if n.startswith("blocks.")}:
+            for name in ("attn.qkv.weight", "attn.proj.weight", "mlp.up", "mlp.up_bias", "mlp.down"):
+                assert f"blocks.{i}.{name}" in forms, (i, name, forms)
 
 
 def _parameter_bytes(rank, world_size):
@@ -227,7 +232,7 @@ def test_delayed_initialization_initializes_each_shard():
 
 
 class _WeightMatmul(torch.nn.Module):
-    """Linears spelled `x @ W.T` on raw parameters (as FalconLinear does): no layer to cut."""
+    """Products with functions of raw parameters, not with the parameters: no linear layer to cut."""
 
     def __init__(self):
         super().__init__()
@@ -235,7 +240,7 @@ class _WeightMatmul(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(16, 64) * 0.1)
 
     def forward(self, x):
-        return torch.tanh(x @ self.w1.T) @ self.w2.T
+        return torch.tanh(x @ torch.tanh(self.w1.T)) @ (2 * self.w2.T)
 
 
 def _coverage_run(model_fn, x):

@@ -18,6 +18,7 @@ from ...fx_utils import bound_args, module_stack, parent_path
 from .. import registry
 from ..driver import Demote
 from ..layout import Shard, ShardSpec, local_val
+from ..linear_forms import linear_in_out
 from ..registry import rule
 
 if TYPE_CHECKING:
@@ -43,6 +44,14 @@ def addmm(rw: Rewrite, node: fx.Node) -> None:
     plain = bound["beta"] == 1 and bound["alpha"] == 1 and bias.meta["val"].dim() == 1
     if not plain:
         return rw.generic(node)
+    _linear_layer(rw, node, x, weight, bias, transposed=True)
+
+
+@rule(linear_in_out, uses_shards=True)
+def linear_on_in_out_weight(rw: Rewrite, node: fx.Node) -> None:
+    """x @ W (+ b) on a [in, out] weight (linear_forms made it of a matmul or an einsum)."""
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
     _linear_layer(rw, node, x, weight, bias, transposed=True)
 
 
@@ -110,7 +119,11 @@ def _column_readers(rw: Rewrite, x: fx.Node) -> int:
     return sum(
         1
         for user in x.users
-        if (user.target is aten.linear.default and user.args[0] is x and rw.shardable(user, user.args[1]))
+        if (
+            user.target in (aten.linear.default, linear_in_out)
+            and user.args[0] is x
+            and rw.shardable(user, user.args[1])
+        )
         or (user.target is aten.addmm.default and user.args[1] is x and rw.shardable(user, user.args[2]))
     )
 
