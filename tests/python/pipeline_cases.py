@@ -56,8 +56,8 @@ def counting_case():
     return model, batch, lambda m, b: m(b["ids"]), lambda out, b: models.lm_loss(out, b["ids"])
 
 
-def gqa_case():
-    model = models.GQALM()
+def gqa_case(kv_heads: int = 4):
+    model = models.GQALM(kv_heads=kv_heads)
 
     def batch(step, n):
         g = torch.Generator().manual_seed(3000 + step)
@@ -70,6 +70,8 @@ def gqa_case():
 CASES = {
     "gpt": gpt_case,
     "gqa": gqa_case,
+    # Multi-query attention: one key/value head, fewer than any tensor-parallel degree.
+    "mqa": lambda: gqa_case(kv_heads=1),
     "counting": counting_case,
     # Three heads: attention cannot split over 2 ranks (stays replicated), the MLPs can.
     "gpt_3heads": lambda: gpt_case(layers=2, dim=24, heads=3),

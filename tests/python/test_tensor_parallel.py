@@ -46,8 +46,15 @@ def test_parity(layout):
     configs = [base | {"prescaled_batch": prescaled} for prescaled in (False, True)]
     # qknorm: replicated per-head norm weights inside the sharded heads (their gradients summed over tp).
     # forms: linears spelled x @ W.T + b, einsum and matmul on [in, out] weights (Falcon-style).
-    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa", "qknorm", "forms"], configs, timeout=600)
+    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa", "mqa", "qknorm", "forms"], configs, timeout=600)
     tp = base["tensor_parallel_degree"]
+    # One key/value head: k and v replicated on every rank, the query heads and the MLP cut
+    # (in every block, whichever stage holds it).
+    mqa = {n for by_case in per_rank for n in by_case["mqa"][0]["distributed"]}
+    for i in range(2):
+        for layer in ("q", "o", "gate", "up", "down"):
+            assert f"blocks.{i}.{layer}.weight" in mqa, (i, layer, sorted(mqa))
+        assert not {f"blocks.{i}.k.weight", f"blocks.{i}.v.weight"} & mqa, sorted(mqa)
     for by_case in per_rank:
         for results in by_case.values():
             _check(results, tp)

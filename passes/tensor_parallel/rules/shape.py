@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx
 
+from ..driver import Demote
 from ..layout import Shard, view_dim
 from ..registry import rule
 
@@ -28,6 +29,16 @@ def view(rw: Rewrite, node: fx.Node) -> None:
     dim = view_dim(before, after, layout.dim)
     if dim is None or (layout.blocks != 1 and after[dim] != before[layout.dim]):
         return rw.generic(node)  # blocks survive only a view that keeps their dimension
+    if after[dim] % rw.size and rw.size % after[dim] == 0 and node.args[0].name in rw.origin:
+        # Fewer key/value heads than ranks (multi-query, grouped-query attention): as Megatron
+        # does, their projection stays whole on every rank, the query heads and the rest of the
+        # block stay cut; the attention takes each rank's slice of the repeated heads.
+        linear = rw.origin[node.args[0].name]
+        raise Demote(
+            linear,
+            f"its {after[dim]} heads are fewer than tensor_parallel_degree={rw.size}: replicated on "
+            "every rank (the query heads stay sharded)",
+        )
     if after[dim] % rw.size:
         rw.demote_block(
             node,
