@@ -46,7 +46,9 @@ def test_parity(layout):
     configs = [base | {"prescaled_batch": prescaled} for prescaled in (False, True)]
     # qknorm: replicated per-head norm weights inside the sharded heads (their gradients summed over tp).
     # forms: linears spelled x @ W.T + b, einsum and matmul on [in, out] weights (Falcon-style).
-    per_rank = run_ranks(_train_cases, world_size, ["gpt", "gqa", "mqa", "qknorm", "forms"], configs, timeout=600)
+    per_rank = run_ranks(
+        _train_cases, world_size, ["gpt", "gqa", "mqa", "qknorm", "forms"], configs, timeout=600
+    )
     tp = base["tensor_parallel_degree"]
     # One key/value head: k and v replicated on every rank, the query heads and the MLP cut
     # (in every block, whichever stage holds it).
