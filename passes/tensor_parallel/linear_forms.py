@@ -7,6 +7,11 @@ turns every such product of a value and a 2-D parameter into one of two ops the 
 cut: aten.linear (weight [out, in]) or `linear_in_out` (weight [in, out]), with a 1-D
 parameter added to the result folded in as the bias. The rewritten graph computes the same
 function; a form it does not recognize stays as it is (run whole, replicated, and reported).
+
+Mixture-of-experts banks are linears too: transformers applies a [experts, out, in] parameter
+to tokens sorted by expert with a grouped matmul (`transformers::grouped_mm_fallback`, or
+aten._grouped_mm) on its transpose. That becomes `grouped_linear(x, bank, offsets)`, which
+the layer rules cut like a linear: every expert's matrix sliced the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +34,34 @@ def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias
 
 
+def grouped_linear(x: torch.Tensor, bank: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x (sorted by expert, `offsets` the cumulative counts) times their expert's
+    [out, in] matrix transposed: the op this pass makes of a grouped matmul on a bank."""
+    return _grouped_mm(x, bank.transpose(-2, -1), offsets)
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    fallback = _grouped_fallback()
+    if fallback is not None and not _native_grouped_mm_fits(x, weight):
+        return fallback(x, weight, offsets)
+    return aten._grouped_mm.default(x, weight, offsets.to(torch.int32))
+
+
+def _native_grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether aten._grouped_mm runs these tensors (bf16 on CUDA; transformers falls back otherwise)."""
+    return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
+
+
+def _grouped_fallback():
+    namespace = getattr(torch.ops, "transformers", None)
+    return getattr(namespace, "grouped_mm_fallback", None) if namespace is not None else None
+
+
+def _grouped_targets() -> tuple:
+    fallback = _grouped_fallback()
+    return (aten._grouped_mm.default,) + ((fallback.default,) if fallback is not None else ())
+
+
 def canonicalize_linears(gm: fx.GraphModule) -> int:
     """Rewrites `gm`'s products of a value and a 2-D parameter into linear ops in place (node
     names kept, so partition plans still apply); returns how many it rewrote."""
@@ -39,11 +72,13 @@ def canonicalize_linears(gm: fx.GraphModule) -> int:
         form = _product_form(gm, node) if node.target in _PRODUCTS else None
         if form is None and node.target is aten.einsum.default:
             form = _einsum_form(gm, node)
+        if form is None and node.target in _grouped_targets():
+            form = _grouped_form(gm, node)
         if form is None:
             continue
-        target, x, weight = form
-        replaced = [a for a in node.all_input_nodes if a is not x and a is not weight]
-        node.target, node.args, node.kwargs = target, (x, weight), {}
+        target, x, weight, *rest = form
+        replaced = [a for a in node.all_input_nodes if a is not x and a is not weight and a not in rest]
+        node.target, node.args, node.kwargs = target, (x, weight, *rest), {}
         for old in replaced:  # the transpose, when nothing else reads it
             if not old.users:
                 gm.graph.erase_node(old)
@@ -86,6 +121,22 @@ def _product_form(gm: fx.GraphModule, node: fx.Node):
     if _param_2d(gm, b):
         return linear_in_out, x, b
     return None
+
+
+def _grouped_form(gm: fx.GraphModule, node: fx.Node):
+    """grouped_mm(x, bank.transpose(-2, -1), offsets) with a 3-D parameter -> grouped_linear."""
+    x, weight, offsets = node.args[:3]
+    if len(node.args) > 3 or node.kwargs:
+        return None
+    if not isinstance(weight, fx.Node) or weight.target is not aten.transpose.int:
+        return None
+    bank = weight.args[0]
+    if not isinstance(bank, fx.Node) or bank.op != "get_attr":
+        return None
+    value = fetch_attr(gm, bank.target)
+    if not isinstance(value, nn.Parameter) or value.dim() != 3 or {d % 3 for d in weight.args[1:3]} != {1, 2}:
+        return None
+    return grouped_linear, x, bank, offsets
 
 
 def _einsum_form(gm: fx.GraphModule, node: fx.Node):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import hf_architectures
 import hf_cases
 import models
 import torch
@@ -90,6 +91,7 @@ CASES = {
     ),
 }
 CASES.update(hf_cases.CASES)
+CASES.update(hf_architectures.CASES)
 
 
 def make_optimizer(kind: str, named_parameters):
@@ -235,6 +237,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         "shared": sorted(dmodel.partition_plan.shared_parameters) if dmodel.partition_plan else [],
         "activation_peak": dmodel.saved_activation_bytes()["peak"],
         "distributed": sorted(n for n, p in local.items() if dmodel.is_distributed_parameter(p)),
+        "tp_share": report.sharded_share if (report := dmodel.tensor_parallel_report()) else None,
         "local_numel": {n: p.numel() for n, p in local.items()},
         "full_numel": {n: p.numel() for n, p in ref_params.items()},
     }

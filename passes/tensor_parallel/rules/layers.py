@@ -18,7 +18,7 @@ from ...fx_utils import bound_args, module_stack, parent_path
 from .. import registry
 from ..driver import Demote
 from ..layout import Shard, ShardSpec, local_val
-from ..linear_forms import linear_in_out
+from ..linear_forms import grouped_linear, linear_in_out
 from ..registry import rule
 
 if TYPE_CHECKING:
@@ -101,6 +101,39 @@ def _column_parallel(rw: Rewrite, node, x, weight, bias, transposed: bool) -> No
     else:
         new = rw.emit(torch.ops.smp.column_parallel_linear.default, (rw.arg(x, None), *local, rw.group))
     rw.set(node, new, Shard(node.meta["val"].dim() - 1, blocks))
+    rw.origin[node.name] = module
+
+
+@rule(grouped_linear, uses_shards=True)
+def expert_bank(rw: Rewrite, node: fx.Node) -> None:
+    """A mixture-of-experts bank [experts, out, in] applied to tokens sorted by expert: cut like a
+    linear layer, every expert's matrix the same way (Megatron's column/row pairing inside each
+    expert; the router stays whole, so every rank routes every token alike and no token moves).
+    The up (and gate) bank is column-parallel, the down bank row-parallel."""
+    x, bank, offsets = node.args
+    if not rw.shardable(node, bank):
+        return rw.generic(node)
+    module = module_stack(node)[-1]
+    if rw.layout[x.name] == Shard(1):  # [tokens, in] sharded on its features: row-parallel
+        rw.add_spec(bank, ShardSpec(2))
+        partial = rw.emit(grouped_linear, (rw.env[x.name], rw.env[bank.name], rw.arg(offsets, None)))
+        rw.set(node, rw.emit(torch.ops.smp.tp_reduce.default, (partial, rw.group)), None)
+        return
+    if rw.layout[x.name] is not None or not shards_pay_off(node):
+        return rw.generic(node)
+    out_features, blocks = bank.meta["val"].shape[1], _fused_blocks(node)
+    if (out_features // blocks) % rw.size:
+        raise Demote(
+            module,
+            f"the {out_features} output features of its experts do not divide by "
+            f"tensor_parallel_degree={rw.size}",
+        )
+    rw.add_spec(bank, ShardSpec(1, blocks))
+    shared = rw.cached(
+        (x.name, "copy"), lambda: rw.emit(torch.ops.smp.tp_copy.default, (rw.arg(x, None), rw.group))
+    )
+    new = rw.emit(grouped_linear, (shared, rw.env[bank.name], rw.arg(offsets, None)))
+    rw.set(node, new, Shard(1, blocks))
     rw.origin[node.name] = module
 
 

@@ -114,6 +114,19 @@ def slice_(rw: Rewrite, node: fx.Node) -> None:
     rw.keep(node, layout.dim, layout.blocks)
 
 
+@rule(aten.select.int, carries=True)
+def select(rw: Rewrite, node: fx.Node) -> None:
+    """Picking one index of another dimension keeps the shards, on a dimension one lower when the
+    picked one came before (q, k and v of a per-head fused projection laid out [heads, 3, d])."""
+    layout = rw.sharded_input(node, plain_blocks=False)
+    if layout is None:
+        return
+    dim = node.args[1] % node.args[0].meta["val"].dim()
+    if dim == layout.dim:
+        return rw.generic(node)
+    rw.keep(node, layout.dim - (dim < layout.dim), layout.blocks)
+
+
 @rule(aten.cat.default, carries=True)
 def cat(rw: Rewrite, node: fx.Node) -> None:
     """Tensors sharded alike, joined along another dimension, stay sharded."""
