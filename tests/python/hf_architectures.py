@@ -14,10 +14,10 @@ parallelism must handle in it (built from configs: no downloads).
 
 from __future__ import annotations
 
+import hf_cases
 import torch
+from hf_cases import SEQ, VOCAB
 
-VOCAB = 96
-SEQ = 16
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
 
 
@@ -126,28 +126,11 @@ def gpt_neox():
 
 
 def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=SEQ,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    return hf_cases.gpt2(layers=2)
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(
-        LlamaConfig(**_SMALL, intermediate_size=64, num_key_value_heads=2, max_position_embeddings=SEQ)
-    )
+    return hf_cases.llama(layers=2)
 
 
 BUILDERS = {f.__name__: f for f in (qwen3, mixtral, falcon, bloom, gptj, gpt_neox, gpt2, llama)}

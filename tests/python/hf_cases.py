@@ -9,14 +9,14 @@ VOCAB = 96
 SEQ = 16
 
 
-def gpt2():
+def gpt2(layers: int = 4):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ,
         n_embd=32,
-        n_layer=4,
+        n_layer=layers,
         n_head=4,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -27,14 +27,14 @@ def gpt2():
     return GPT2LMHeadModel(config)
 
 
-def llama():
+def llama(layers: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
