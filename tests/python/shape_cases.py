@@ -53,6 +53,7 @@ def hf_causal_loss(out, b):
 
 CASES = {
     "gpt": (lambda: models.GPT(layers=4), gpt_batch, lambda m, b: m(b["ids"]), gpt_loss),
+    "gpt_small": (lambda: models.GPT(layers=2), gpt_batch, lambda m, b: m(b["ids"]), gpt_loss),
     "hf_llama": (
         hf_cases.llama,
         padded_batch,

@@ -82,3 +82,28 @@ def test_hf_llama_and_bert_right_padded_pp2_tp2():
 
 def _run_hf(rank, world_size, layouts):
     return {case: _run(rank, world_size, case, layouts) for case in ("hf_llama", "hf_bert")}
+
+
+COMPILE_STEPS = ((8, 16), (8, 12))  # two signatures: each stage graph compiled once per signature
+
+
+def _compiled(rank, world_size):
+    import smp
+    from smp.engine import compiled
+
+    ref = shape_cases.reference("gpt_small", steps=COMPILE_STEPS)
+    smp.init(PP2 | {"tensor_parallel_degree": 2, "compile": True})
+    before = compiled.compiles()
+    r = shape_cases.train(smp, "gpt_small", ref, steps=COMPILE_STEPS)
+    r["compiles"] = compiled.compiles() - before
+    smp.parallel_state.reset()
+    return r
+
+
+@pytest.mark.slow
+def test_compile_pp2_tp2_parity():
+    """ "compile": true (inductor) at pp=2 x tp=2: within 1e-4 of one process (inductor reorders
+    sums); one compilation per new signature on each rank."""
+    for r in run_ranks(_compiled, 4, timeout=500):
+        assert r["loss_err"] < 1e-4 and r["param_err"] < 1e-4, r
+        assert r["compiles"] == len(COMPILE_STEPS), r
