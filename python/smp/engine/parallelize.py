@@ -108,7 +108,8 @@ def parallelize(
     with _opposite_mode(module) as flags:
         other = _capture(module, args, kwargs, retarget)
         modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
-    first_plans = {flags: p for flags, (_, p) in modes.items()}  # before the TP rewrite renames
+    # Where each module runs, which later signatures follow (before the TP rewrite adds nodes).
+    module_stages = {flags: passes.module_stages(c.graph_module, p) for flags, (c, p) in modes.items()}
     specs: dict[int, passes.ShardSpec] = {}
     tp_coverage, replicated, marked = None, {}, marked_modules(module)
     if groups.tp_size > 1:
@@ -143,7 +144,15 @@ def parallelize(
         for flags, pipe in pipes.items()
     }
     recipe = recapture.Recipe(
-        skeleton, first_plans, frozenset(marked), replicated, specs, tuple(checkpointing), offloader, device
+        skeleton,
+        module_stages,
+        groups.pp_size,
+        frozenset(marked),
+        replicated,
+        specs,
+        tuple(checkpointing),
+        offloader,
+        device,
     )
     return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report, tp_coverage, recipe)
 

@@ -85,8 +85,9 @@ class Recipe:
     """What the first partition decided, which every later signature's capture follows."""
 
     skeleton: Skeleton
-    # Each mode's partition of the captured graph, before tensor parallelism rewrote it.
-    plans: Mapping[tuple[bool, ...], passes.PartitionPlan]
+    # Per mode, module path -> its stage (the modules the first partition kept on one stage).
+    module_stages: Mapping[tuple[bool, ...], Mapping[str, int]]
+    num_stages: int
     # Tensor parallelism: the marked modules, what stays replicated (and why), and the local
     # shards by id (ShardSpec per shard).
     marked: frozenset[str]
@@ -113,7 +114,8 @@ def capture_signature(
     with recipe.skeleton.swapped_in():
         captured = passes.capture(module, *delayed_init.to_meta((tuple(args), dict(kwargs))))
     delayed_init.retarget(captured.graph_module, recipe.device)
-    plan = passes.follow_partition(captured.graph_module, recipe.plans[flags], colocate)
+    gm = captured.graph_module
+    plan = passes.follow_modules(gm, recipe.module_stages[flags], recipe.num_stages, colocate)
     if groups.tp_size > 1:
         combined = None if config.prescaled_batch else batch_size * groups.tp_size
         plan = shard_following(
