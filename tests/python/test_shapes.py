@@ -54,11 +54,28 @@ def _check(per_rank, tolerance):
             assert r["cache"] is None or r["cache"]["seen"] == 5, (name, r["cache"])
 
 
-def test_gpt_new_shapes_every_layout():
+HF_LAYOUTS = (("pp2_tp2", PP2 | {"tensor_parallel_degree": 2}),)
+HF_CASES = ("hf_llama", "hf_bert")
+
+
+def _matrix(rank, world_size):
+    results = {"gpt": _run(rank, world_size, "gpt", GPT_LAYOUTS)}
+    for case in HF_CASES:
+        results[case] = _run(rank, world_size, case, HF_LAYOUTS)
+    return results
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    """Every layout and model of this file in one launch of 4 processes (re-initializing smp)."""
+    return run_ranks(_matrix, 4, timeout=600)
+
+
+def test_gpt_new_shapes_every_layout(matrix):
     """pp=2, tp=2, pp=2 x tp=2 (cache bounded at 3, warning at 4) and pp=2 x rdp=2 with sharded
     optimizer state: loss and parameters within 1e-5 of one process; eval with another shape
     between training steps stays correct."""
-    per_rank = run_ranks(_run, 4, "gpt", GPT_LAYOUTS, timeout=400)
+    per_rank = [r["gpt"] for r in matrix]
     _check(per_rank, 1e-5)
     for results in per_rank:
         by_name = dict(results)
@@ -71,17 +88,10 @@ def test_gpt_new_shapes_every_layout():
         assert by_name["pp2"]["advice"] == [], by_name["pp2"]["advice"]  # 5 < the default 8
 
 
-@pytest.mark.slow
-def test_hf_llama_and_bert_right_padded_pp2_tp2():
+def test_hf_llama_and_bert_right_padded_pp2_tp2(matrix):
     """Hugging Face Llama and BERT with right-padded attention masks at pp=2 x tp=2: within 1e-4."""
-    layout = (("pp2_tp2", PP2 | {"tensor_parallel_degree": 2}),)
-    per_rank = run_ranks(_run_hf, 4, layout, timeout=400)
-    for case in ("hf_llama", "hf_bert"):
-        _check([r[case] for r in per_rank], 1e-4)
-
-
-def _run_hf(rank, world_size, layouts):
-    return {case: _run(rank, world_size, case, layouts) for case in ("hf_llama", "hf_bert")}
+    for case in HF_CASES:
+        _check([r[case] for r in matrix], 1e-4)
 
 
 COMPILE_STEPS = ((8, 16), (8, 12))  # two signatures: each stage graph compiled once per signature

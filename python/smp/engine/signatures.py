@@ -65,6 +65,10 @@ class SignatureCache:
     def signatures_seen(self) -> int:
         return len(self._seen)
 
+    def seen_costs(self) -> dict[Hashable, float]:
+        """Every distinct signature seen -> the seconds its captures took (all modes, recaptures)."""
+        return dict(self._seen)
+
     def get(self, flags: tuple, signature: Hashable) -> Any | None:
         entry = self._entries.get((flags, signature))
         if entry is not None:
