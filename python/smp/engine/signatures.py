@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 def of(args: tuple, kwargs: dict) -> Hashable:
     """The signature of one call: structure, each tensor's shape/dtype/requires_grad, each other value."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
-    return (str(spec), tuple(_leaf(x) for x in leaves))
+    return (spec, tuple(_leaf(x) for x in leaves))  # TreeSpec hashes and compares by structure
 
 
 def _leaf(x: Any) -> Hashable:
