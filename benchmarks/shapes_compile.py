@@ -94,13 +94,19 @@ def part_signature(args) -> dict:
     return out
 
 
+COMPILE_MODES = {
+    "eager": {},
+    "compile_static": {"compile": {"dynamic": False}},
+    "compile_dynamic": {"compile": {"dynamic": True}},
+}
+
+
 def part_compile(args) -> dict:
+    """Each mode in --compile-modes order (the first compile in a process also warms inductor up:
+    run with a fresh TORCHINDUCTOR_CACHE_DIR and swap the order to see cold costs)."""
     out = {}
-    for name, extra in (
-        ("eager", {}),
-        ("compile_static", {"compile": {"dynamic": False}}),
-        ("compile_dynamic", {"compile": {"dynamic": True}}),
-    ):
+    for name in args.compile_modes.split(","):
+        extra = COMPILE_MODES[name]
         before = compiled.compiles()
         _, run = build(extra)
         first = run(*batch(0, 64))  # capture (+ compile)
@@ -169,6 +175,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--padding-steps", type=int, default=40)
+    p.add_argument("--compile-modes", default="eager,compile_static,compile_dynamic")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
