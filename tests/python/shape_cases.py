@@ -69,12 +69,20 @@ CASES = {
 }
 
 
-def reference(case, steps=STEPS, eval_between=None):
+def make_optimizer(kind, params):
+    """Adam by default; SGD where Adam would turn a compiler's rounding noise on near-zero gradients
+    into lr-sized parameter differences (it normalizes every gradient element)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05)
+    return torch.optim.Adam(params, lr=pipeline_cases.LR)
+
+
+def reference(case, steps=STEPS, eval_between=None, optimizer="adam"):
     """Losses, final parameters and eval losses of one process training the unsplit model."""
     torch.manual_seed(0)
     build, batch, forward, loss_fn = CASES[case]
     model = copy.deepcopy(build())
-    opt = torch.optim.Adam(model.parameters(), lr=pipeline_cases.LR)
+    opt = make_optimizer(optimizer, model.parameters())
     losses, evals = [], []
     for s, (rows, seq) in enumerate(steps):
         if s == eval_between:
@@ -92,7 +100,7 @@ def reference(case, steps=STEPS, eval_between=None):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, evals
 
 
-def train(smp, case, ref, steps=STEPS, eval_between=None):
+def train(smp, case, ref, steps=STEPS, eval_between=None, optimizer="adam"):
     """Trains `case` under the current smp config on this rank's share of each step's batch;
     returns loss and parameter errors against `ref` (and what eval_between's eval step returned)."""
     ref_losses, ref_params, ref_evals = ref
@@ -101,7 +109,7 @@ def train(smp, case, ref, steps=STEPS, eval_between=None):
     with smp.tensor_parallelism(smp.tp_size() > 1):
         model = build()
     dmodel = smp.DistributedModel(model)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=pipeline_cases.LR))
+    opt = smp.DistributedOptimizer(make_optimizer(optimizer, dmodel.parameters()))
 
     @smp.step
     def train_step(b):

@@ -101,10 +101,10 @@ def _compiled(rank, world_size):
     import smp
     from smp.engine import compiled
 
-    ref = shape_cases.reference("gpt_small", steps=COMPILE_STEPS)
+    ref = shape_cases.reference("gpt_small", steps=COMPILE_STEPS, optimizer="sgd")
     smp.init(PP2 | {"tensor_parallel_degree": 2, "compile": True})
     before = compiled.compiles()
-    r = shape_cases.train(smp, "gpt_small", ref, steps=COMPILE_STEPS)
+    r = shape_cases.train(smp, "gpt_small", ref, steps=COMPILE_STEPS, optimizer="sgd")
     r["compiles"] = compiled.compiles() - before
     smp.parallel_state.reset()
     return r
