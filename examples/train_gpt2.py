@@ -9,8 +9,9 @@ tied embedding over the tensor-parallel group, and averages (or shards, with
 --shard-optimizer-state) over the reduced-data-parallel replicas. The text is read as bytes:
 vocabulary 256, no tokenizer to fetch.
 
-Rank 0 shows a progress bar (loss, tokens/s), writes `<out-dir>/log.csv` (one row per step)
-and `<out-dir>/loss.png` at the end; with --timeline also `<out-dir>/timeline.json` (a Chrome
+Rank 0 shows a progress bar (loss, tokens/s), writes `<out-dir>/log.csv` (one row per
+--log-every steps: the mean loss of those steps, read with one host sync) and
+`<out-dir>/loss.png` at the end; with --timeline also `<out-dir>/timeline.json` (a Chrome
 trace of a few steps) and `<out-dir>/timeline.png` (the pipeline schedule as it ran). With
 --checkpoint-dir the job saves there every --save-every steps and at the end, and resumes from
 the newest checkpoint it finds. On machines with GPUs every rank uses its local GPU and the
@@ -50,6 +51,18 @@ def parse_args() -> argparse.Namespace:
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="steps between loss logs (the only steps that wait for the loss: see README, performance)",
+    )
+    train.add_argument(
+        "--dynamic-padding",
+        action="store_true",
+        help="rows of varied lengths, each batch padded to its longest row (new shapes: see the warning)",
+    )
+    train.add_argument("--compile", action="store_true", help="torch.compile each stage (inductor)")
     model = p.add_argument_group("model (GPT-2 shape)")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--dim", type=int, default=128)
@@ -95,6 +108,23 @@ def batches(data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
         yield torch.stack([data[s : s + seq_len] for s in starts.tolist()])
 
 
+def padded_batches(data: torch.Tensor, seq_len: int, batch_size: int, seed: int, lengths_seed: int):
+    """Rows of varied lengths (seq_len/4 to seq_len, as documents are), each batch right-padded to
+    its longest row (tokenizer padding='longest'): (ids, attention mask, labels with -100 on pads).
+
+    The lengths come from `lengths_seed`, the same on every rank: a tensor-parallel group runs
+    its ranks' batches concatenated, so they must agree on every dim but the batch."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.Generator().manual_seed(lengths_seed)
+    while True:
+        lengths = torch.randint(seq_len // 4, seq_len + 1, (batch_size,), generator=shared)
+        longest = int(lengths.max())
+        starts = torch.randint(0, len(data) - longest, (batch_size,), generator=g)
+        ids = torch.stack([data[s : s + longest] for s in starts.tolist()])
+        mask = (torch.arange(longest) < lengths[:, None]).long()
+        yield ids * mask, mask, ids.masked_fill(mask == 0, -100)
+
+
 def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -115,6 +145,7 @@ def main() -> None:
             "shard_optimizer_state": args.shard_optimizer_state,
             "bf16": args.bf16,
             "timeline": _timeline(args),
+            "compile": args.compile,
         }
     )
     device = (
@@ -143,41 +174,48 @@ def main() -> None:
         schedule.load_state_dict(user["schedule"])
 
     @smp.step
-    def train_step(ids):
-        out = model(input_ids=ids, labels=ids)
+    def train_step(ids, mask, labels):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
         model.backward(out.loss)
         return out.loss
 
     data = torch.frombuffer(bytearray(Path(args.corpus).read_bytes()), dtype=torch.uint8).long()
     # SMP's advice: seed data order by dp_rank; a tensor-parallel group reads dp_size batches at once.
-    stream = batches(
-        data, args.seq_len, args.batch_size, seed=args.seed * 1000 + smp.dp_rank() + 7919 * start
-    )
-    tokens_per_step = args.batch_size * smp.dp_size() * args.seq_len
+    seed = args.seed * 1000 + smp.dp_rank() + 7919 * start
+    if args.dynamic_padding:
+        stream = padded_batches(data, args.seq_len, args.batch_size, seed, args.seed + 7919 * start)
+    else:
+        stream = (
+            (ids, torch.ones_like(ids), ids) for ids in batches(data, args.seq_len, args.batch_size, seed)
+        )
     log, bar = _open_log(args, start, n_params, rdp)
+    # The loss stays on the device between logs: reading it (.item()) waits for the step to finish,
+    # so only every --log-every-th step does (and a compiled step is not cut by the read).
+    window_loss, window_tokens, window_start = None, 0, time.perf_counter()
     for step in range(start, args.steps):
-        t0 = time.perf_counter()
+        ids, mask, labels = (t.to(device) for t in next(stream))
         optimizer.zero_grad()
-        loss = train_step(next(stream).to(device)).reduce_mean()
+        loss = train_step(ids, mask, labels).reduce_mean().detach()
         if args.clip:
             optimizer.clip_master_grads(args.clip)
         optimizer.step()
         schedule.step()
-        # Every pipeline's last stage computed its loss; average them over the data-parallel ranks.
-        torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
-        loss = loss.item() / smp.dp_size()
-        seconds = time.perf_counter() - t0
+        window_loss = loss if window_loss is None else window_loss + loss
+        window_tokens += ids.numel() * smp.dp_size()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
-            log.writerow(
-                [
-                    step + 1,
-                    f"{loss:.5f}",
-                    f"{schedule.get_last_lr()[0]:.6g}",
-                    f"{tokens_per_step / seconds:.1f}",
-                ]
-            )
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            steps_in_window = (step + 1 - start) % args.log_every or args.log_every
+            # Every pipeline's last stage computed its loss; average them over the data-parallel ranks.
+            torch.distributed.all_reduce(window_loss, group=smp.get_dp_process_group())
+            mean = window_loss.item() / smp.dp_size() / steps_in_window
+            tokens_per_s = window_tokens / (time.perf_counter() - window_start)
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+                log.writerow(
+                    [step + 1, f"{mean:.5f}", f"{schedule.get_last_lr()[0]:.6g}", f"{tokens_per_s:.1f}"]
+                )
+            window_loss, window_tokens, window_start = None, 0, time.perf_counter()
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             smp.save_checkpoint(
@@ -190,12 +228,25 @@ def main() -> None:
     smp.barrier()
     if bar is not None:
         bar.close()
+        _report_shapes(model)
         _plot(Path(args.out_dir))
         print(
             f"done: {args.steps} steps, log {args.out_dir}/log.csv, curve {args.out_dir}/loss.png", flush=True
         )
         if args.timeline:
             print(f"timeline: {args.out_dir}/timeline.json (ui.perfetto.dev), {args.out_dir}/timeline.png")
+
+
+def _report_shapes(model) -> None:
+    """How many input signatures the run captured (each costs a capture, and a compile)."""
+    from smp.engine import compiled
+
+    cache = model.engine.signature_cache
+    print(
+        f"input signatures: {cache.signatures_seen} seen, {len(cache)} stage graphs cached, "
+        f"{cache.evictions} evicted; stage compilations on rank 0: {compiled.compiles()}",
+        flush=True,
+    )
 
 
 def _timeline(args) -> dict | None:

@@ -110,6 +110,15 @@ class Config:
     # and a picture (smp.pipeline.timeline). Given as true, a dict of TimelineOptions' fields, or
     # the environment variable SMP_TIMELINE=<dir>; None: off.
     timeline: TimelineOptions | None = None
+    # Inputs whose shapes change between steps: each new input signature is captured and cached
+    # (smp.engine.signatures). Warn once at this many distinct signatures (capture costs time)...
+    signature_warn_after: int = 8
+    # ... and keep at most this many captured (train/eval mode, signature) graphs, evicting the
+    # least recently used.
+    signature_cache_size: int = 32
+    # torch.compile each stage's graph (per cached signature): true, or a dict of torch.compile's
+    # options ({"backend": "inductor", "mode": ..., "dynamic": ...}); None: eager.
+    compile: dict | None = None
 
     @property
     def placement_order(self) -> str:
@@ -152,6 +161,8 @@ _POSITIVE_INTS = (
     "microbatches",
     "activation_loading_horizon",
     "sharded_data_parallel_degree",
+    "signature_warn_after",
+    "signature_cache_size",
 )
 
 
@@ -257,6 +268,8 @@ def _check_value(name: str, value: Any) -> Any:
         return check_timeout(value, "'timeout'")
     if name == "timeline":
         return check_timeline(value)
+    if name == "compile":
+        return check_compile(value)
     if name in _CHOICES:
         if value not in _CHOICES[name]:
             choices = " or ".join(repr(c) for c in _CHOICES[name])
@@ -322,6 +335,32 @@ def check_timeline(value: Any) -> TimelineOptions | None:
             )
         counts[key] = n
     return TimelineOptions(path=path, **counts)
+
+
+_COMPILE_KEYS = ("backend", "mode", "dynamic", "fullgraph", "options")
+
+
+def check_compile(value: Any) -> dict | None:
+    """'compile': true/false/null, or a dict of torch.compile's keyword arguments."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _type_error(
+            "compile", value, 'true, false or a dict like {"backend": "inductor", "dynamic": false}'
+        )
+    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"smp config: 'compile' has unknown key(s) {', '.join(repr(k) for k in unknown)}; "
+            f"valid keys (torch.compile's arguments): {', '.join(_COMPILE_KEYS)}"
+        )
+    if "dynamic" in value and value["dynamic"] not in (True, False, None):
+        raise ValueError(
+            f"smp config: 'compile' dynamic must be true, false or null, got {value['dynamic']!r}"
+        )
+    return dict(value)
 
 
 def _check_combination(config: Config) -> Config:

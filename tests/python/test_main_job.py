@@ -59,7 +59,16 @@ def test_smp_v1_script_trains_under_torchrun(tmp_path):
 def test_main_job_smoke(tmp_path):
     """The README's main job, a few steps: the CSV log, the PNG curve, a checkpoint, and a resume."""
     out_dir, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    common = ("--out-dir", str(out_dir), "--checkpoint-dir", str(ckpt), "--save-every", "4")
+    common = (
+        "--out-dir",
+        str(out_dir),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--save-every",
+        "4",
+        "--log-every",
+        "1",
+    )
     out = run_torchrun("examples/train_gpt2.py", 4, "--steps", "8", *common, timeout=300)
     assert "pp=2 tp=2 rdp=1" in out and "done: 8 steps" in out, out
     rows = (out_dir / "log.csv").read_text().splitlines()

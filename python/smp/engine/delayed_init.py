@@ -53,10 +53,14 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> None:
     def fix(value):
         return device if isinstance(value, torch.device) and value == meta else value
 
-    for node in gm.graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, fix)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
-    gm.recompile()
+    # Higher-order ops (torch.no_grad regions, autocast) keep their bodies in nested graph modules.
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, fix)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+        sub.recompile()
 
 
 def materialize(

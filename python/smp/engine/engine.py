@@ -26,7 +26,7 @@ from smp import params as param_facts
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
-from smp.engine import model_state
+from smp.engine import model_state, recapture, signatures
 from smp.engine.parallelize import Parallelized, parallelize, place_whole, training_flags
 from smp.engine.protocol import GradientConsumer
 from smp.finite_check import FiniteCheck
@@ -65,6 +65,8 @@ class Engine:
         self.state_keys = list(module.state_dict(keep_vars=True).keys())
         self._call_defaults = hf.call_defaults(module)
         self.parallelized: Parallelized | None = None
+        # Captured stage runtimes per (train/eval flags, input signature), once partitioned.
+        self._signatures = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
         self._grad_sync: GradSync | None = None
         self._shared_groups: dict[int, dist.ProcessGroup] = {}
         self._consumers: list[GradientConsumer] = []
@@ -151,7 +153,7 @@ class Engine:
             replicas.broadcast_over(list(self.module.buffers()), self.groups.dp, self.groups.dp_ranks)
 
     def finish_step(self) -> None:
-        for runtime in self.parallelized.runtimes.values() if self.parallelized else ():
+        for runtime in self._signatures.values():
             runtime.finish_step()
         if self._offloader is not None:
             self._offloader.finish_step()
@@ -204,9 +206,10 @@ class Engine:
             args, kwargs = tp_inputs.combine(
                 args, kwargs, mb.batch_size, self.config.prescaled_batch, not self.partitioned, self.groups
             )
+        signature = signatures.of(args, kwargs)
         if not self.partitioned:
-            self._partition(args, kwargs, mb.batch_size)
-        mb.runtime = self._runtime()
+            self._partition(args, kwargs, mb.batch_size, signature)
+        mb.runtime = self._runtime(args, kwargs, mb.batch_size, signature)
         with self._saving_for(mb):
             pending = mb.runtime.forward(mb.index, args, kwargs)
         if self._finite is not None:
@@ -242,23 +245,27 @@ class Engine:
 
     # --- parallelization -----------------------------------------------------------------
 
-    def _partition(self, args: tuple, kwargs: dict, batch_size: int | None) -> None:
+    def _partition(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> None:
         self._tracing = True
         try:
-            parallelized = parallelize(
-                self.module,
-                args,
-                kwargs,
-                self.config,
-                self.groups,
-                batch_size,
-                self._trace_execution_times,
-                recompute.regions(self._checkpointing),
-                self._offloader,
+            parallelized, seconds = signatures.timed(
+                lambda: parallelize(
+                    self.module,
+                    args,
+                    kwargs,
+                    self.config,
+                    self.groups,
+                    batch_size,
+                    self._trace_execution_times,
+                    recompute.regions(self._checkpointing),
+                    self._offloader,
+                )
             )
         finally:
             self._tracing = False
         self._install(parallelized)
+        for flags, runtime in parallelized.runtimes.items():  # the first signature, in both modes
+            self._signatures.put(flags, signature, runtime, seconds / len(parallelized.runtimes))
         self._start_grad_sync()  # this step is under way
         self._meter = SavedActivationMeter(self.module.parameters())
         self.track_saved_activations(self._track_activations)
@@ -285,7 +292,9 @@ class Engine:
         )
         self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
 
-    def _runtime(self) -> StageRuntime:
+    def _runtime(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> StageRuntime:
+        """The stage runtime for the modules' train/eval modes and these inputs' signature,
+        captured now (following the first partition) when the signature is new."""
         flags = training_flags(self.module)
         if flags not in self.parallelized.runtimes:
             raise RuntimeError(
@@ -293,7 +302,36 @@ class Engine:
                 "mode (as set when the first step ran, and its opposite); this mix of train/eval modules "
                 "is neither. Set the modes before the first step, or use model.train() / model.eval()"
             )
-        return self.parallelized.runtimes[flags]
+        runtime = self._signatures.get(flags, signature)
+        if runtime is None:
+            runtime, seconds = signatures.timed(
+                lambda: self._capture_signature(flags, args, kwargs, batch_size)
+            )
+            self._signatures.put(flags, signature, runtime, seconds)
+        return runtime
+
+    def _capture_signature(self, flags, args: tuple, kwargs: dict, batch_size: int | None) -> StageRuntime:
+        self._tracing = True
+        try:
+            runtime = recapture.capture_signature(
+                self.module,
+                self.parallelized.recipe,
+                flags,
+                args,
+                kwargs,
+                batch_size,
+                self.config,
+                self.groups,
+            )
+        finally:
+            self._tracing = False
+        runtime.meter = self._meter if self._track_activations else None
+        return runtime
+
+    @property
+    def signature_cache(self) -> signatures.SignatureCache:
+        """The captured input signatures (how many seen, cached, evicted; the advice text)."""
+        return self._signatures
 
     # --- activation checkpointing ----------------------------------------------------------
 
@@ -386,7 +424,7 @@ class Engine:
 
     def track_saved_activations(self, enabled: bool) -> None:
         self._track_activations = enabled
-        for runtime in self.parallelized.runtimes.values() if self.parallelized else ():
+        for runtime in self._signatures.values():
             runtime.meter = self._meter if enabled else None
 
     def saved_activation_bytes(self) -> dict[str, int]:

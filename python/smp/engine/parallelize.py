@@ -19,7 +19,7 @@ from torch import nn
 from smp import passes, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
-from smp.engine import delayed_init
+from smp.engine import compiled, delayed_init, recapture
 from smp.parallel_state import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline import placement
@@ -48,6 +48,8 @@ class Parallelized:
     recompute_report: str = ""
     # How much of the marked modules tensor parallelism cut (None without it).
     tp_coverage: CoverageReport | None = None
+    # What captures of other input signatures follow (None when the module runs whole).
+    recipe: recapture.Recipe | None = None
 
 
 def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
@@ -91,6 +93,7 @@ def parallelize(
         args, kwargs = delayed_init.to_meta((args, kwargs))
     else:
         module.to(device)
+    skeleton = recapture.Skeleton(module)  # before anything is freed or sharded
     retarget = device if delayed else None
     captured = _capture(module, args, kwargs, retarget)
     plan = placement.plan_stages(
@@ -105,12 +108,14 @@ def parallelize(
     with _opposite_mode(module) as flags:
         other = _capture(module, args, kwargs, retarget)
         modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
+    # Where each module runs, which later signatures follow (before the TP rewrite adds nodes).
+    module_stages = {flags: passes.module_stages(c.graph_module, p) for flags, (c, p) in modes.items()}
     specs: dict[int, passes.ShardSpec] = {}
-    tp_coverage = None
+    tp_coverage, replicated, marked = None, {}, marked_modules(module)
     if groups.tp_size > 1:
         combined = None if config.prescaled_batch else batch_size * groups.tp_size
-        modes, specs, tp_coverage = shard_modes(
-            modes, module, groups.tp, marked_modules(module), combined, config.colocate_shared_parameters
+        modes, specs, tp_coverage, replicated = shard_modes(
+            modes, module, groups.tp, marked, combined, config.colocate_shared_parameters
         )
     plan = modes[training_flags(module)][1]
     pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
@@ -125,6 +130,11 @@ def parallelize(
     report = _checkpoint_stages(
         pipes, modes, list(checkpointing), offloader, groups.pp_rank, training_flags(module)
     )
+    if config.compile is not None:
+        for pipe in pipes.values():
+            own = pipe.stages[groups.pp_rank]
+            if own.module is not None:
+                own.module = compiled.compile_stage(own.module, config.compile)
     shared = replicas.shared_groups(captured.graph_module, plans, groups)
     grad_group = replicas.synchronize(module, set(specs), shared, groups)
     runtimes = {
@@ -133,7 +143,18 @@ def parallelize(
         )
         for flags, pipe in pipes.items()
     }
-    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report, tp_coverage)
+    recipe = recapture.Recipe(
+        skeleton,
+        module_stages,
+        groups.pp_size,
+        frozenset(marked),
+        replicated,
+        specs,
+        tuple(checkpointing),
+        offloader,
+        device,
+    )
+    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report, tp_coverage, recipe)
 
 
 def _checkpoint_stages(pipes, modes, checkpointing, offloader, stage: int, current) -> str:

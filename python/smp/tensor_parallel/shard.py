@@ -25,10 +25,11 @@ def shard_modes(
     marked: set[str],
     combined_batch: int | None,
     colocate_shared: bool,
-) -> tuple[Modes, dict[int, passes.ShardSpec], coverage.CoverageReport]:
+) -> tuple[Modes, dict[int, passes.ShardSpec], coverage.CoverageReport, dict[str, str]]:
     """Runs the tensor-parallel pass on each captured mode (they share shards and decisions) and
     puts the shards in `module`; returns the modes with plans covering the rewritten graphs,
-    id(local shard) -> how it was cut, and how much of the marked modules was cut.
+    id(local shard) -> how it was cut, how much of the marked modules was cut, and what stays
+    replicated and why (the decisions later captures of other input shapes follow).
 
     combined_batch: without prescaled_batch, the rows the group runs together (the pass cuts
     each output back to this rank's rows); None when the group reads one batch.
@@ -57,7 +58,33 @@ def shard_modes(
             "(model.tensor_parallel_report() lists what stayed whole and why)",
             stacklevel=4,
         )
-    return sharded, install_shards(module, result), report
+    return sharded, install_shards(module, result), report, dict(result.replicated)
+
+
+def shard_following(
+    captured: passes.CapturedGraph,
+    plan: passes.PartitionPlan,
+    group: dist.ProcessGroup,
+    marked: set[str],
+    combined_batch: int | None,
+    shards: dict[int, nn.Parameter],
+    replicated: dict[str, str],
+    colocate_shared: bool,
+) -> passes.PartitionPlan:
+    """The tensor-parallel pass on a later capture (another input signature), reusing the first
+    capture's shards (`shards`: id(full tensor of this capture) -> the local shard) and decisions;
+    returns the plan covering the rewritten graph."""
+    passes.tensor_parallel(
+        captured.graph_module,
+        group,
+        marked,
+        scatter_batch=combined_batch,
+        shards=dict(shards),
+        replicated=dict(replicated),
+    )
+    gm = captured.graph_module
+    stages = stages_after_rewrite(gm, plan.node_stage)
+    return passes.plan_from_assignment(gm, stages, plan.num_stages, colocate_shared)
 
 
 def install_shards(module: nn.Module, result: passes.TensorParallelResult) -> dict[int, passes.ShardSpec]:
