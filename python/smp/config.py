@@ -145,7 +145,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
-_CHOICES = {"pipeline": ("interleaved", "simple"), "optimize": ("speed", "memory")}
+_CHOICES = {"pipeline": ("interleaved", "simple", "zero_bubble"), "optimize": ("speed", "memory")}
 _POSITIVE_INTS = (
     "pipeline_parallel_degree",
     "tensor_parallel_degree",

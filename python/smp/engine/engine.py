@@ -234,11 +234,21 @@ class Engine:
         if self._offloader is not None:
             self._offloader.before_backward(mb.index)
         if self.captures:
-            mb.runtime.backward(mb.index, tensors, grads)
+            mb.runtime.backward(mb.index, tensors, grads, defer_weights=self._defers_weights)
             return
         roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+
+    @property
+    def _defers_weights(self) -> bool:
+        return self.config.pipeline == "zero_bubble"
+
+    def backward_weights(self, mb: Microbatch) -> None:
+        """zero_bubble's W action: microbatch mb's deferred weight gradients (nothing if its
+        backward did not defer them: no model.backward, or a model that runs whole)."""
+        if mb.runtime is not None and self._defers_weights:
+            mb.runtime.backward_weights(mb.index)
 
     # --- parallelization -----------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp.passes import PipelineGraph, Value
-from smp.pipeline import activation_meter, timeline
+from smp.pipeline import activation_meter, split_backward, timeline
 
 _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
 _KIND_NAMES = ("activation", "output", "gradient")
@@ -97,6 +97,8 @@ class StageRuntime:
         self._value_id = {name: i for i, name in enumerate(sorted(pipe.values))}
         self._sends: list[dist.Work] = []
         self._in_flight: dict[int, _InFlight] = {}
+        self._deferred: dict[int, split_backward.Deferred | None] = {}
+        self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
         self._input_meta = [
             (i, n.meta["val"].shape, n.meta["val"].dtype)
             for i, n in enumerate(n for n in _placeholders(pipe))
@@ -157,8 +159,15 @@ class StageRuntime:
 
     # --- backward -----------------------------------------------------------
 
-    def backward(self, k: int, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """Backward of microbatch k from the user's loss(es) and the gradients later stages send."""
+    def backward(
+        self,
+        k: int,
+        tensors: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        defer_weights: bool = False,
+    ) -> None:
+        """Backward of microbatch k from the user's loss(es) and the gradients later stages send;
+        with defer_weights, only the input gradients (backward_weights(k) does the rest)."""
         state = self._in_flight.pop(k)
         values = self.pipe.values
         roots, root_grads = [], []
@@ -181,14 +190,26 @@ class StageRuntime:
             if tensor.requires_grad:
                 roots.append(tensor)
                 root_grads.append(grad)
-        if roots:
-            torch.autograd.backward(roots, root_grads)
-        for name in self.stage.received:
+        leaves = [state.received[name] for name in self.stage.received]
+        if defer_weights:  # zero_bubble's B: input gradients now, weight gradients at W
+            input_grads, self._deferred[k] = split_backward.backward_inputs(
+                roots, root_grads, leaves, self._weights
+            )
+        else:
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            input_grads = [leaf.grad for leaf in leaves]
+        for name, leaf, grad in zip(self.stage.received, leaves, input_grads, strict=True):
             value = values[name]
             if value.requires_grad:
-                leaf = state.received[name]
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                grad = grad if grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
+
+    def backward_weights(self, k: int) -> None:
+        """zero_bubble's W: the weight gradients microbatch k's backward deferred (if any)."""
+        deferred = self._deferred.pop(k, None)
+        if deferred is not None:
+            deferred.run()
 
     def produced(self, k: int) -> dict[str, torch.Tensor]:
         """The values this stage computed in microbatch k's forward (until its backward)."""
@@ -204,6 +225,7 @@ class StageRuntime:
             self._sending.close()
         self._sends = []
         self._in_flight.clear()
+        self._deferred.clear()
 
     # --- messages -----------------------------------------------------------
 
