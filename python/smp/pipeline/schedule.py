@@ -38,8 +38,9 @@ def stage_actions(
     zero_bubble: ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024). Each backward
     is split into B (input gradients, sent upstream at once) and W (weight gradients), and W is
     deferred to fill time a stage would otherwise wait. A microbatch holds activations from its F
-    to its W; every stage holds at most as many as the first stage holds under "interleaved", so
-    the pipeline's peak (its largest stage's) is no higher than interleaved's.
+    to its W; every stage holds at most as many as it holds under "interleaved", so no stage's
+    peak is higher than interleaved's. What it gains is upstream stages getting gradients one
+    W earlier per stage: 2(p-1) idle units instead of 1F1B's 3(p-1) (F = B = W = 1 unit).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"smp: unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}")
@@ -69,12 +70,14 @@ def _in_flight_limit(stage: int, num_stages: int, microbatches: int, active_micr
 def _zero_bubble(num_stages: int, microbatches: int, active: int) -> tuple[tuple[Action, ...], ...]:
     """Every stage's ZB-H1 actions, placed greedily in unit time (F, B and W one slot each): in each
     slot a stage runs its next B if the gradient it needs has arrived, else its next F if that
-    one's input has arrived and fewer than interleaved's in-flight limit of the first stage hold
-    activations here (F done, W not), else its oldest pending W. The lists are the result; the runtime
+    one's input has arrived and fewer microbatches than interleaved's in-flight limit for the
+    stage hold activations (F done, W not), else its oldest pending W. The lists are the result; the runtime
     then runs them in this order whatever the real durations are."""
-    # ZB-H1's bound: no stage holds more microbatches than the first stage does under 1F1B, so the
-    # pipeline's peak (the largest stage's) is 1F1B's; later stages use that room to defer W.
-    limit = _in_flight_limit(0, num_stages, microbatches, active)
+    # Each stage holds at most the microbatches it holds under 1F1B, so its peak is no higher
+    # than 1F1B's on every stage. (ZB-H1 in the paper lets later stages hold as many as the first,
+    # bounding only the largest stage's count; with a last stage whose activations per microbatch
+    # are larger (the logits), that raised the pipeline's peak, measured, above 1F1B's.)
+    limits = [_in_flight_limit(s, num_stages, microbatches, active) for s in range(num_stages)]
     done_f, done_b, done_w = [0] * num_stages, [0] * num_stages, [0] * num_stages
     finished: dict[tuple[str, int, int], int] = {}
     actions: list[list[Action]] = [[] for _ in range(num_stages)]
@@ -89,7 +92,7 @@ def _zero_bubble(num_stages: int, microbatches: int, active: int) -> tuple[tuple
             k = done_f[s]
             if (
                 k < microbatches
-                and done_f[s] - done_w[s] < limit
+                and done_f[s] - done_w[s] < limits[s]
                 and (s == 0 or finished.get(("F", k, s - 1), t) < t)
             ):
                 ran.append((s, Action("F", k)))
