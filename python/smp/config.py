@@ -110,6 +110,10 @@ class Config:
     # and a picture (smp.pipeline.timeline). Given as true, a dict of TimelineOptions' fields, or
     # the environment variable SMP_TIMELINE=<dir>; None: off.
     timeline: TimelineOptions | None = None
+    # Pipeline messages on one tag, posted in an order both ends derive from the schedule (what
+    # NCCL needs; smp.pipeline.message_order). None: on for CUDA tensors (sent GPU to GPU), off
+    # for CPU tensors (tagged Gloo messages); true selects it on CPU too.
+    ordered_messages: bool | None = None
 
     @property
     def placement_order(self) -> str:
@@ -252,6 +256,10 @@ def _check_value(name: str, value: Any) -> Any:
                 f"smp config: 'placement_strategy' must be 'cluster', 'spread' or a permutation of "
                 f"'DPT' ({', '.join(PLACEMENT_ORDERS)}), got {value!r}"
             )
+        return value
+    if name == "ordered_messages":
+        if value is not None and not isinstance(value, bool):
+            raise _type_error(name, value, "true, false or null (null: on for CUDA, off for CPU)")
         return value
     if name == "timeout":
         return check_timeout(value, "'timeout'")

@@ -31,6 +31,7 @@ from smp.engine.parallelize import Parallelized, parallelize, place_whole, train
 from smp.engine.protocol import GradientConsumer
 from smp.finite_check import FiniteCheck
 from smp.parallel_state import ParallelGroups
+from smp.pipeline import schedule
 from smp.pipeline.activation_meter import SavedActivationMeter
 from smp.pipeline.microbatch import Microbatch
 from smp.pipeline.stage import StageRuntime
@@ -294,6 +295,15 @@ class Engine:
             self.dtype is not None,
         )
         self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
+        if self.groups.pp_size > 1:
+            slots = schedule.unit_time_slots(
+                self.config.pipeline,
+                self.groups.pp_size,
+                self.config.microbatches,
+                self.config.num_active_microbatches,
+            )
+            for runtime in parallelized.runtimes.values():
+                runtime.order_messages(self.config.ordered_messages, slots)
 
     def _runtime(self) -> StageRuntime:
         flags = training_flags(self.module)
