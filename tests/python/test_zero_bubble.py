@@ -22,15 +22,20 @@ def _layouts(world: int) -> list[dict]:
     ]
 
 
-def _configs(world: int) -> list[tuple[str, dict, dict]]:
+def _gpt_runs(world: int) -> list[tuple[str, dict, dict]]:
     runs = []
     for layout in _layouts(world):
         for m in MICROBATCHES:
             runs.append(("zero_bubble", layout | {"microbatches": m, "pipeline": "zero_bubble"}, {}))
-    if world == 8:  # pp=2 x tp=2 x rdp=2, sharded optimizer state
+            for name in schedule.SCHEDULES:  # the same matrix on the ordered single-tag path
+                runs.append((f"ordered {name}", layout | {"microbatches": m, "pipeline": name} | ORDERED, {}))
+    if world == 8:  # pp=2 x tp=2 x rdp=2, sharded optimizer state, on both message paths
         tp = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "shard_optimizer_state": True}
         for m in (2, 4):
             runs.append(("zero_bubble tp", tp | {"microbatches": m, "pipeline": "zero_bubble"}, {}))
+            runs.append(
+                ("ordered zero_bubble tp", tp | {"microbatches": m, "pipeline": "zero_bubble"} | ORDERED, {})
+            )
     if world == 4:  # memory: the same layout and active_microbatches under both schedules
         for name in ("interleaved", "zero_bubble"):
             cfg = {
@@ -43,11 +48,32 @@ def _configs(world: int) -> list[tuple[str, dict, dict]]:
     return runs
 
 
+def _skip_runs(world: int) -> list[tuple[str, dict, dict]]:
+    """A skip connection from stage 0 to the last stage crosses every boundary (pp = world)."""
+    if world not in (2, 4):
+        return []
+    return [
+        (
+            f"skip {path} {name}",
+            {"pipeline_parallel_degree": world, "microbatches": m, "pipeline": name} | extra,
+            {},
+        )
+        for m in MICROBATCHES
+        for name in schedule.SCHEDULES
+        for path, extra in (("ordered", ORDERED), ("tagged", {}))
+        if path == "ordered" or name == "zero_bubble"
+    ]
+
+
 def _matrix(rank, world_size):
-    runs = _configs(world_size)
-    results = pipeline_cases.train_smp(rank, world_size, "gpt", [(c, o) for _, c, o in runs], 3, 16)
     keep = ("loss_err", "param_err", "grad_err", "activation_peak")
-    return [(name, cfg, {k: r[k] for k in keep}) for (name, cfg, _), r in zip(runs, results, strict=True)]
+    out = []
+    for case, runs in (("gpt", _gpt_runs(world_size)), ("skip", _skip_runs(world_size))):
+        if not runs:
+            continue
+        results = pipeline_cases.train_smp(rank, world_size, case, [(c, o) for _, c, o in runs], 3, 16)
+        out += [(name, cfg, {k: r[k] for k in keep}) for (name, cfg, _), r in zip(runs, results, strict=True)]
+    return out
 
 
 def _check(per_rank):
@@ -59,7 +85,11 @@ def _check(per_rank):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_zero_bubble_parity_matrix(world):
+def test_zero_bubble_and_ordered_messages_parity_matrix(world):
+    """zero_bubble at pp in {2, 4} x dp in {1, 2} x m in {1, 2, 4, 8} (and pp=2 x tp=2 x rdp=2 with
+    sharded optimizer state), and every schedule over the same matrix on the ordered single-tag
+    path, each trained 3 Adam steps against one process; the model with a skip across every stage
+    too. World 4 also compares the saved-activation peaks of zero_bubble and interleaved."""
     per_rank = run_ranks(_matrix, world, timeout=900)
     _check(per_rank)
     if world == 4:
