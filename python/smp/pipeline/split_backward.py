@@ -43,9 +43,13 @@ def backward_inputs(
     grads: list[torch.Tensor],
     inputs: list[torch.Tensor],
     weights: list[torch.Tensor],
+    losses: list[torch.Tensor] = (),
 ) -> tuple[list[torch.Tensor | None], Deferred | None]:
     """B: the gradients of `inputs` (None where unused), and what W needs (None if nothing is
-    left: the backward ran whole)."""
+    left: the backward ran whole). `losses` are the roots the user passed (not the stage's
+    outputs): they are detached after B, so that the graph above the boundary is freed then, not
+    when the user's step function lets go of its loss (a stage output is not: the stage's own
+    graph may have saved it, e.g. as the input of its next layer)."""
     wanted = [x for x in inputs if x.requires_grad]
     if not roots:
         return [None] * len(inputs), None
@@ -64,7 +68,7 @@ def backward_inputs(
     finally:
         for handle in handles:
             handle.remove()
-    for t in roots:  # the graph above the boundary is needed no more: free it now, not at W
+    for t in losses:  # the graph above the boundary is needed no more: free it now, not at W
         _release(t)
     by_input = dict(zip(map(id, wanted), got, strict=True))
     edges, seeds = [], []

@@ -231,8 +231,9 @@ class StageRuntime:
                 root_grads.append(grad)
         leaves = [state.received[name] for name in self.stage.received]
         if defer_weights:  # zero_bubble's B: input gradients now, weight gradients at W
+            losses = [t for t in tensors if t.requires_grad]
             input_grads, self._deferred[k] = split_backward.backward_inputs(
-                roots, root_grads, leaves, self._weights
+                roots, root_grads, leaves, self._weights, losses
             )
         else:
             if roots:
