@@ -36,6 +36,9 @@ def _gpt_runs(world: int) -> list[tuple[str, dict, dict]]:
             runs.append(
                 ("ordered zero_bubble tp", tp | {"microbatches": m, "pipeline": "zero_bubble"} | ORDERED, {})
             )
+    if world == 2:  # activation checkpointing inside the stages: W recomputes its regions again
+        cfg = {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "zero_bubble"}
+        runs.append(("zero_bubble checkpointed", cfg, {"checkpoint": {"blocks": "each"}}))
     if world == 4:  # memory: the same layout and active_microbatches under both schedules
         for name in ("interleaved", "zero_bubble"):
             cfg = {
