@@ -1,29 +1,35 @@
 """Pipeline-parallel training step: smp against torch.distributed.pipelining, measured in the same run.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/pipeline.py [--steps 20] [--json FILE]
+    torchrun --standalone --nproc_per_node=2 benchmarks/pipeline.py [--schedule zero_bubble]
+        [--peers 1f1b,izb,zbv] [--steps 20] [--json FILE]
 
-Two processes, one pipeline of two stages. Three contestants train their own copy of the
+p processes (2 or 4), one pipeline of p stages. The contestants train their own copy of the
 same GPT (tests/python/models.py, same seed, same batches):
 
-  smp     smp.DistributedModel + @smp.step, automatic partition, "interleaved" (1F1B) pipeline;
-          its default process group is "smp" (which wraps gloo).
-  peer    torch.distributed.pipelining: PipelineStage + Schedule1F1B over a plain "gloo" group,
-          split between the same blocks as smp's partition. The two stage modules are built by
+  smp     smp.DistributedModel + @smp.step, automatic partition, the --schedule pipeline
+          ("interleaved" = 1F1B, "zero_bubble" = ZB-H1, "simple"); its default process group is
+          "smp" (which wraps gloo).
+  1f1b    torch.distributed.pipelining: PipelineStage + Schedule1F1B over a plain "gloo" group,
+          split between the same blocks as smp's partition. The stage modules are built by
           hand: pipeline()'s tracer splits this model too, but it deep-copies the tied
           embedding/head weight into each stage and leaves summing their gradients to the user.
           Here the head holds its own copy and its gradient is summed with the embedding's
           after each step (what smp does for a parameter shared by two stages).
+  izb     ScheduleInterleavedZeroBubble, 2 stages per rank (stage i on rank i % p), the blocks
+          split evenly over the 2p stages (torch's zero-bubble schedules need several stages per
+          rank; smp's zero_bubble has one).
+  zbv     ScheduleZBVZeroBubble, 2 stages per rank in a V (rank r holds stages r and 2p-1-r).
   single  each process trains the whole model alone (no communication), the m microbatches one
           after the other: T1, the work of one pipeline step done serially, measured while the
-          other core is busy too, as in the pipelined runs.
+          other cores are busy too, as in the pipelined runs.
 
 A step is zero_grad + forward/backward of the m microbatches + Adam step. After warm-up, every
 round runs one step of each contestant in rotating order, each started after a barrier. A
 pipelined step lasts until its slowest rank is done (max over ranks). Per contestant the median
 over rounds is reported, the minimum (other load on the machine only adds time), the median of
 the per-round ratios smp/peer (neighbours in time share the machine's drifts), and the median
-minor page faults per step (both ranks). Efficiency = (T1 / p) / step time, against the
-1F1B bound m / (m + p - 1). The three losses are compared as a check that all train the same model.
+minor page faults per step (all ranks). Efficiency = (T1 / p) / step time, against the
+1F1B bound m / (m + p - 1). The losses are compared as a check that all train the same model.
 """
 
 from __future__ import annotations
@@ -41,55 +47,56 @@ import smp
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
 from models import GPT, lm_loss  # noqa: E402
 
 LR = 1e-4
-CONTESTANTS = ("smp", "peer", "single")
 
 
-class FirstStage(nn.Module):
-    """Embeddings and blocks[:boundary] of a GPT (sharing the GPT's modules)."""
+class Chunk(nn.Module):
+    """blocks[lo:hi] of a GPT (sharing its modules), with the embeddings if first and ln_f and
+    the head if last; the head gets its own copy of the tied weight (summed by sum_tied)."""
 
-    def __init__(self, gpt: GPT, boundary: int):
+    def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
-        self.tok, self.pos = gpt.tok, gpt.pos
-        self.blocks = nn.ModuleList(gpt.blocks[:boundary])
-
-    def forward(self, ids):
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class LastStage(nn.Module):
-    """blocks[boundary:], ln_f and the head, which gets its own copy of the tied weight."""
-
-    def __init__(self, gpt: GPT, boundary: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(gpt.blocks[boundary:])
-        self.ln_f = gpt.ln_f
-        self.head = nn.Linear(gpt.head.in_features, gpt.head.out_features, bias=False)
-        self.head.weight = nn.Parameter(gpt.head.weight.detach().clone())
+        self.first, self.last = first, last
+        if first:
+            self.tok, self.pos = gpt.tok, gpt.pos
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        if last:
+            self.ln_f = gpt.ln_f
+            self.head = nn.Linear(gpt.head.in_features, gpt.head.out_features, bias=False)
+            self.head.weight = nn.Parameter(gpt.head.weight.detach().clone())
 
     def forward(self, x):
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x)) if self.last else x
 
 
-def stage_boundary(plan) -> int:
-    """The first block on stage 1 of smp's plan; fails if the peer cannot reproduce the split."""
-    first, last = plan.stage_units[0], plan.stage_units[1]
-    if not {"tok", "pos"} <= set(first) or not {"ln_f", "head"} <= set(last):
+def stage_boundaries(plan, p: int) -> list[int]:
+    """The first block of each stage of smp's plan (p + 1 entries, the last = layers); fails if the
+    peer cannot reproduce the split."""
+    units = plan.stage_units
+    if not {"tok", "pos"} <= set(units[0]) or not {"ln_f", "head"} <= set(units[p - 1]):
         sys.exit(f"smp put the embeddings or the head elsewhere than the peer can:\n{plan.report()}")
-    blocks = [[int(u.split(".")[1]) for u in units if u.startswith("blocks.")] for units in (first, last)]
-    if blocks[0] and blocks[1] and max(blocks[0]) >= min(blocks[1]):
-        sys.exit(f"smp split inside a block; the peer splits between blocks only:\n{plan.report()}")
-    return min(blocks[1])
+    blocks = [sorted(int(u.split(".")[1]) for u in us if u.startswith("blocks.")) for us in units]
+    bounds = [0]
+    for s in range(1, p):
+        bounds.append(blocks[s][0] if blocks[s] else bounds[-1])
+    flat = [b for bs in blocks for b in bs]
+    if flat != sorted(flat):
+        sys.exit(f"smp split blocks out of order; the peer splits between blocks only:\n{plan.report()}")
+    return bounds + [len(flat)]
 
 
 def batch(step: int, args) -> torch.Tensor:
@@ -116,27 +123,62 @@ def make_smp_step(gpt: GPT):
     return model, run
 
 
-def make_peer_step(gpt: GPT, boundary: int, microbatches: int, group):
-    """torch.distributed.pipelining's 1F1B over `group`, stage i on rank i."""
-    rank = dist.get_rank(group)
-    module = FirstStage(gpt, boundary) if rank == 0 else LastStage(gpt, boundary)
-    tied = module.tok.weight if rank == 0 else module.head.weight
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"), group=group)
-    schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lm_loss)
-    opt = torch.optim.Adam(module.parameters(), lr=LR)
+PEERS = {  # contestant -> (torch schedule, stages per rank, placement of stage i)
+    "1f1b": (Schedule1F1B, 1, "loop"),
+    "izb": (ScheduleInterleavedZeroBubble, 2, "loop"),
+    "zbv": (ScheduleZBVZeroBubble, 2, "v"),
+}
 
-    def run(ids) -> float | None:
+
+def peer_stage_ids(rank: int, p: int, per_rank: int, placement: str) -> list[int]:
+    if per_rank == 1:
+        return [rank]
+    if placement == "v":  # ZBV: rank r holds stages r and 2p-1-r
+        return [rank, 2 * p - 1 - rank]
+    return [rank + i * p for i in range(per_rank)]  # interleaved: stage i on rank i % p
+
+
+def make_peer_step(gpt: GPT, name: str, bounds: list[int], microbatches: int, group):
+    """torch.distributed.pipelining's schedule `name` over `group`. One stage per rank: split where
+    smp split; more: the blocks split evenly (layers / stages each)."""
+    cls, per_rank, placement = PEERS[name]
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    n = p * per_rank
+    if per_rank > 1:
+        layers = bounds[-1]
+        bounds = [round(i * layers / n) for i in range(n + 1)]
+    ids = peer_stage_ids(rank, p, per_rank, placement)
+    modules = {i: Chunk(gpt, bounds[i], bounds[i + 1], i == 0, i == n - 1) for i in ids}
+    stages = [PipelineStage(modules[i], i, n, torch.device("cpu"), group=group) for i in ids]
+    schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=microbatches, loss_fn=lm_loss)
+    params = [q for m in modules.values() for q in m.parameters()]
+    opt = torch.optim.Adam(params, lr=LR)
+    tied = [m.tok.weight for m in modules.values() if m.first] + [
+        m.head.weight for m in modules.values() if m.last
+    ]
+
+    def run(ids_) -> float | None:
         opt.zero_grad()
         losses = []
-        if rank == 0:
-            schedule.step(ids)
-        else:
-            schedule.step(target=ids, losses=losses)
-        dist.all_reduce(tied.grad, group=group)  # the tied embedding/head: sum both stages' parts
+        args = (ids_,) if 0 in modules else ()
+        kwargs = {"target": ids_, "losses": losses} if n - 1 in modules else {}
+        schedule.step(*args, **kwargs)
+        sum_tied(tied, gpt, group)
         opt.step()
         return torch.stack(losses).mean().item() if losses else None
 
     return run
+
+
+def sum_tied(tied: list[torch.Tensor], gpt: GPT, group) -> None:
+    """The tied embedding/head: every holder gets the sum of all holders' gradients (what smp does
+    for a parameter shared by two stages)."""
+    total = torch.zeros_like(gpt.head.weight)
+    for w in tied:
+        total += w.grad
+    dist.all_reduce(total, group=group)
+    for w in tied:
+        w.grad.copy_(total)
 
 
 def make_single_step(gpt: GPT, microbatches: int):
@@ -166,78 +208,79 @@ def timed(run, ids, group) -> tuple[float, int, float | None]:
 
 
 def measure(args) -> dict | None:
-    torch.set_num_threads(1)  # two processes share the machine's cores
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches, "pipeline": "interleaved"})
-    if smp.size() != 2:
-        sys.exit("run with torchrun --nproc_per_node=2: one pipeline of two stages")
+    torch.set_num_threads(1)  # the processes share the machine's cores
+    p = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    config = {"pipeline_parallel_degree": p, "microbatches": args.microbatches, "pipeline": args.schedule}
+    smp.init(config)
     gloo = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     gpt = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
-    peer_gpt, single_gpt = copy.deepcopy(gpt), copy.deepcopy(gpt)
+    copies = {name: copy.deepcopy(gpt) for name in args.peers + ["single"]}
 
     smp_model, smp_run = make_smp_step(gpt)
     load = [os.getloadavg()[0]]
     warm = [batch(-1 - i, args) for i in range(args.warmup)]
     for ids in warm:  # the first step partitions the model
         smp_run(ids)
-    boundary = stage_boundary(smp_model.partition_plan)
-    runs = {
-        "smp": smp_run,
-        "peer": make_peer_step(peer_gpt, boundary, args.microbatches, gloo),
-        "single": make_single_step(single_gpt, args.microbatches),
-    }
+    bounds = stage_boundaries(smp_model.partition_plan, p)
+    runs = {"smp": smp_run, "single": make_single_step(copies["single"], args.microbatches)}
+    for name in args.peers:
+        runs[name] = make_peer_step(copies[name], name, bounds, args.microbatches, gloo)
+    contestants = ["smp", *args.peers, "single"]
     for ids in warm:
-        runs["peer"](ids)
-        runs["single"](ids)
+        for name in contestants[1:]:
+            runs[name](ids)
 
-    mine = {name: {"seconds": [], "faults": [], "losses": []} for name in CONTESTANTS}
+    mine = {name: {"seconds": [], "faults": [], "losses": []} for name in contestants}
     for step in range(args.steps):
         ids = batch(step, args)
-        for name in CONTESTANTS[step % 3 :] + CONTESTANTS[: step % 3]:
+        r = step % len(contestants)
+        for name in contestants[r:] + contestants[:r]:
             seconds, faults, loss = timed(runs[name], ids, gloo)
             mine[name]["seconds"].append(seconds)
             mine[name]["faults"].append(faults)
             mine[name]["losses"].append(loss)
     load.append(os.getloadavg()[0])
-    ranks = [None, None]
+    ranks = [None] * p
     dist.all_gather_object(ranks, mine, group=gloo)
     if dist.get_rank() != 0:
         return None
 
     # A pipelined step lasts until its slowest rank is done; the single runs are independent samples.
-    first, last = ranks
+    pipelined = contestants[:-1]
     samples = {
-        name: list(map(max, first[name]["seconds"], last[name]["seconds"])) for name in ("smp", "peer")
+        name: [max(x) for x in zip(*(r[name]["seconds"] for r in ranks), strict=True)] for name in pipelined
     }
-    samples["single"] = first["single"]["seconds"] + last["single"]["seconds"]
-    faults = {  # both ranks together
-        name: statistics.median(
-            a + b for a, b in zip(first[name]["faults"], last[name]["faults"], strict=True)
-        )
-        for name in CONTESTANTS
+    samples["single"] = [t for r in ranks for t in r["single"]["seconds"]]
+    faults = {
+        name: statistics.median(sum(x) for x in zip(*(r[name]["faults"] for r in ranks), strict=True))
+        for name in contestants
     }
-    t_smp, t_peer, t1 = (statistics.median(samples[name]) for name in CONTESTANTS)
-    p, m = 2, args.microbatches
-    reference = last["single"]["losses"]  # the pipelines' losses are on the last stage
+    medians = {name: statistics.median(samples[name]) for name in contestants}
+    t1, m = medians["single"], args.microbatches
+    reference = ranks[0]["single"]["losses"]
+
+    def losses_of(name):  # the rank holding the last stage reports the loss
+        return next(r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None)
+
     loss_gap = {
-        name: max(abs(a - b) / abs(b) for a, b in zip(last[name]["losses"], reference, strict=True))
-        for name in ("smp", "peer")
+        name: max(abs(a - b) / abs(b) for a, b in zip(losses_of(name), reference, strict=True))
+        for name in pipelined
+    }
+    paired = {
+        name: statistics.median(a / b for a, b in zip(samples["smp"], samples[name], strict=True))
+        for name in args.peers
     }
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "stages": p,
         "partition": smp_model.partition_report(),
-        "boundary": boundary,
-        "smp_s": t_smp,
-        "peer_s": t_peer,
-        "single_s": t1,
-        "ratio": t_smp / t_peer,
-        "ratio_paired": statistics.median(
-            a / b for a, b in zip(samples["smp"], samples["peer"], strict=True)
-        ),
-        "smp_efficiency": t1 / p / t_smp,
-        "peer_efficiency": t1 / p / t_peer,
-        "bound": m / (m + p - 1),
+        "bounds": bounds,
+        "median_s": medians,
         "min_s": {name: min(v) for name, v in samples.items()},
+        "paired_smp_over": paired,
+        "efficiency": {name: t1 / p / medians[name] for name in pipelined},
+        "bound_1f1b": m / (m + p - 1),
         "page_faults": faults,
         "samples": samples,
         "load_average": load,
@@ -245,33 +288,39 @@ def measure(args) -> dict | None:
     }
 
 
+LABELS = {
+    "smp": "smp",
+    "1f1b": "torch Schedule1F1B",
+    "izb": "torch ScheduleInterleavedZeroBubble (2/rank)",
+    "zbv": "torch ScheduleZBVZeroBubble (2/rank, V)",
+    "single": "single (one process, whole model) = T1",
+}
+
+
 def report(r: dict) -> None:
-    c, low = r["config"], r["min_s"]
+    c, p = r["config"], r["stages"]
     print(
         f"GPT vocab {c['vocab']} dim {c['dim']} heads {c['heads']} layers {c['layers']} seq {c['seq']}, "
-        f"batch {c['batch']}, {c['microbatches']} microbatches, 2 stages, {c['steps']} rounds"
+        f"batch {c['batch']}, {c['microbatches']} microbatches, {p} stages, {c['steps']} rounds, "
+        f"smp schedule {c['schedule']!r}"
     )
     print(r["partition"])
-    b = r["boundary"]
-    print(f"peer split at smp's boundary: blocks.0-{b - 1} | blocks.{b}-{c['layers'] - 1}")
-    print(f"{'step time':<44} {'median ms':>10} {'min ms':>8} {'page faults':>12}")
-    labels = {
-        "smp": "smp",
-        "peer": "peer (pipelining Schedule1F1B, gloo)",
-        "single": "single (one process, whole model) = T1",
-    }
-    for name, label in labels.items():
-        median, fastest, faults = r[f"{name}_s"], low[name], r["page_faults"][name]
-        print(f"{label:<44} {median * 1e3:>10.1f} {fastest * 1e3:>8.1f} {faults:>12.0f}")
-    print(f"{'ratio smp/peer (target <= 1.0)':<44} {r['ratio']:>10.3f} {low['smp'] / low['peer']:>8.3f}")
-    print(f"median over rounds of smp/peer in the same round: {r['ratio_paired']:.3f}")
-    print(
-        f"efficiency (T1/2)/step: smp {r['smp_efficiency']:.3f}, peer {r['peer_efficiency']:.3f} "
-        f"(1F1B bound m/(m+p-1) = {r['bound']:.3f})"
-    )
+    print(f"one-stage-per-rank peers split at smp's boundaries: blocks {r['bounds']}")
+    print(f"{'step time':<48} {'median ms':>10} {'min ms':>8} {'efficiency':>10} {'page faults':>12}")
+    for name, median in r["median_s"].items():
+        eff = r["efficiency"].get(name)
+        eff = f"{eff:.3f}" if eff is not None else ""
+        print(
+            f"{LABELS[name]:<48} {median * 1e3:>10.1f} {r['min_s'][name] * 1e3:>8.1f} {eff:>10} "
+            f"{r['page_faults'][name]:>12.0f}"
+        )
+    for name, ratio in r["paired_smp_over"].items():
+        plain = r["median_s"]["smp"] / r["median_s"][name]
+        print(f"smp / {LABELS[name]}: medians {plain:.3f}, paired {ratio:.3f}")
+    print(f"efficiency = (T1/{p})/step; 1F1B bound m/(m+p-1) = {r['bound_1f1b']:.3f}")
     print("1-minute load average of the machine at start and end: {:.2f}, {:.2f}".format(*r["load_average"]))
-    gap = r["loss_gap"]
-    print(f"max relative loss difference to the single process: smp {gap['smp']:.1e}, peer {gap['peer']:.1e}")
+    gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in r["loss_gap"].items())
+    print(f"max relative loss difference to the single process: {gaps}")
 
 
 def main() -> None:
@@ -287,12 +336,21 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--schedule", default="interleaved", help="smp's pipeline schedule")
+    parser.add_argument(
+        "--peers",
+        default="1f1b,izb,zbv",
+        help=f"torch.distributed.pipelining schedules to run, of {','.join(PEERS)}",
+    )
     parser.add_argument("--json", help="rank 0 also writes the results to this file")
     args = parser.parse_args()
+    args.peers = [x for x in args.peers.split(",") if x]
+    if unknown := set(args.peers) - set(PEERS):
+        parser.error(f"--peers: unknown {sorted(unknown)}; use some of {','.join(PEERS)}")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: smp partitions the model on its first step")
     if "RANK" not in os.environ:
-        sys.exit("launch with: torchrun --standalone --nproc_per_node=2 benchmarks/pipeline.py")
+        sys.exit("launch with: torchrun --standalone --nproc_per_node=2 (or 4) benchmarks/pipeline.py")
     results = measure(args)
     if results is not None:
         report(results)

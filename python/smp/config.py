@@ -119,6 +119,10 @@ class Config:
     # torch.compile each stage's graph (per cached signature): true, or a dict of torch.compile's
     # options ({"backend": "inductor", "mode": ..., "dynamic": ...}); None: eager.
     compile: dict | None = None
+    # Pipeline messages on one tag, posted in an order both ends derive from the schedule (what
+    # NCCL needs; smp.pipeline.message_order). None: on for CUDA tensors (sent GPU to GPU), off
+    # for CPU tensors (tagged Gloo messages); true selects it on CPU too.
+    ordered_messages: bool | None = None
 
     @property
     def placement_order(self) -> str:
@@ -154,7 +158,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
-_CHOICES = {"pipeline": ("interleaved", "simple"), "optimize": ("speed", "memory")}
+_CHOICES = {"pipeline": ("interleaved", "simple", "zero_bubble"), "optimize": ("speed", "memory")}
 _POSITIVE_INTS = (
     "pipeline_parallel_degree",
     "tensor_parallel_degree",
@@ -263,6 +267,10 @@ def _check_value(name: str, value: Any) -> Any:
                 f"smp config: 'placement_strategy' must be 'cluster', 'spread' or a permutation of "
                 f"'DPT' ({', '.join(PLACEMENT_ORDERS)}), got {value!r}"
             )
+        return value
+    if name == "ordered_messages":
+        if value is not None and not isinstance(value, bool):
+            raise _type_error(name, value, "true, false or null (null: on for CUDA, off for CPU)")
         return value
     if name == "timeout":
         return check_timeout(value, "'timeout'")

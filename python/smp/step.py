@@ -126,7 +126,11 @@ def step(
                 mb = microbatches[action.microbatch]
                 if recorder is not None:
                     began = timeline.now()
-                mb.resume()
+                if action.kind == "W":
+                    if engine is not None:
+                        engine.backward_weights(mb)
+                else:
+                    mb.resume()
                 if recorder is not None:
                     recorder.record(
                         action.kind, began, timeline.now(), microbatch=action.microbatch, stage=pp_rank
@@ -174,7 +178,7 @@ def _name_what_failed(error: BaseException, action, pp_rank: int) -> BaseExcepti
         )
     where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {pp_rank}"
     if action is not None:
-        phase = "forward" if action.kind == "F" else "backward"
+        phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
         where += f", microbatch {action.microbatch} ({phase})"
     error.add_note(f"smp: while running {where}")
     faults.report_failure(error)

@@ -31,6 +31,7 @@ from smp.engine.parallelize import Parallelized, parallelize, place_whole, train
 from smp.engine.protocol import GradientConsumer
 from smp.finite_check import FiniteCheck
 from smp.parallel_state import ParallelGroups
+from smp.pipeline import schedule
 from smp.pipeline.activation_meter import SavedActivationMeter
 from smp.pipeline.microbatch import Microbatch
 from smp.pipeline.stage import StageRuntime
@@ -237,11 +238,21 @@ class Engine:
         if self._offloader is not None:
             self._offloader.before_backward(mb.index)
         if self.captures:
-            mb.runtime.backward(mb.index, tensors, grads)
+            mb.runtime.backward(mb.index, tensors, grads, defer_weights=self._defers_weights)
             return
         roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+
+    @property
+    def _defers_weights(self) -> bool:
+        return self.config.pipeline == "zero_bubble"
+
+    def backward_weights(self, mb: Microbatch) -> None:
+        """zero_bubble's W action: microbatch mb's deferred weight gradients (nothing if its
+        backward did not defer them: no model.backward, or a model that runs whole)."""
+        if mb.runtime is not None and self._defers_weights:
+            mb.runtime.backward_weights(mb.index)
 
     # --- parallelization -----------------------------------------------------------------
 
@@ -291,6 +302,15 @@ class Engine:
             self.dtype is not None,
         )
         self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
+        if self.groups.pp_size > 1:
+            slots = schedule.unit_time_slots(
+                self.config.pipeline,
+                self.groups.pp_size,
+                self.config.microbatches,
+                self.config.num_active_microbatches,
+            )
+            for runtime in parallelized.runtimes.values():
+                runtime.order_messages(self.config.ordered_messages, slots)
 
     def _runtime(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> StageRuntime:
         """The stage runtime for the modules' train/eval modes and these inputs' signature,

@@ -1,19 +1,22 @@
 """One rank's part of a pipeline: its stage module, and the activations and gradients it
 exchanges with the other stages of its pipeline group, one microbatch at a time.
 
-Messages are point-to-point on the pipeline group, tagged by (kind, microbatch,
-value), so they match whatever order the stages post them in. Shapes and dtypes
-come from the capture; no message carries metadata and no stage waits on a shape.
+Messages are point-to-point on the pipeline group. Shapes and dtypes come from the
+capture; no message carries metadata and no stage waits on a shape. Two paths:
 
-CUDA activations are staged through host memory and travel over Gloo: NCCL
-matches point-to-point operations by issue order, not by tag, and 1F1B issues
-sends and receives between two stages in different orders on each side, which can
-deadlock NCCL once messages outgrow its buffers. Tagged Gloo cannot deadlock.
+- tagged (the default for CPU tensors): each message tagged by (kind, microbatch,
+  value), so it matches whatever order the stages post them in; CUDA tensors are
+  staged through host memory and travel over Gloo.
+- ordered (the default for CUDA tensors, `ordered_messages: true` selects it on CPU):
+  every message on one tag, posted by both ends in one order derived from the schedule
+  (smp.pipeline.message_order), as NCCL needs: it matches by issue order, not by tag.
+  CUDA tensors then go GPU to GPU with no host copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp.passes import PipelineGraph, Value
-from smp.pipeline import activation_meter, timeline
+from smp.pipeline import activation_meter, message_order, split_backward, timeline
 
 _ACTIVATION, _OUTPUT, _GRADIENT = range(3)
 _KIND_NAMES = ("activation", "output", "gradient")
@@ -47,12 +50,25 @@ class _Incoming:
         if self._tensor is None:
             waited = timeline.now() if self._timed is not None else 0
             with faults.waiting(*self._context):
-                self._work.wait()
-            self._tensor = self._buffer.to(self._device)
+                got = self._work.wait()
+            self._tensor = (self._buffer if self._buffer is not None else got).to(self._device)
             if self._timed is not None:
                 recorder, posted, fields = self._timed
                 recorder.record("recv", posted, timeline.now(), wait_start=waited, **fields)
         return self._tensor
+
+
+class _OrderedWork:
+    """A receive on the ordered path: wait() posts its group if need be and gives the tensor."""
+
+    def __init__(self, channels: message_order.OrderedChannels, msg: message_order.Message):
+        self._channels, self._msg = channels, msg
+
+    def wait(self) -> torch.Tensor:
+        return self._channels.wait(self._msg)
+
+
+_warned_host_staging: list[bool] = []  # a CUDA pipeline on the tagged path says so once
 
 
 @dataclasses.dataclass
@@ -97,6 +113,9 @@ class StageRuntime:
         self._value_id = {name: i for i, name in enumerate(sorted(pipe.values))}
         self._sends: list[dist.Work] = []
         self._in_flight: dict[int, _InFlight] = {}
+        self._deferred: dict[int, split_backward.Deferred | None] = {}
+        self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
+        self._ordered: message_order.OrderedChannels | None = None
         self._input_meta = [
             (i, n.meta["val"].shape, n.meta["val"].dtype)
             for i, n in enumerate(n for n in _placeholders(pipe))
@@ -106,11 +125,31 @@ class StageRuntime:
         self._timeline = timeline.recorder()
         self._sending = timeline.Pending(self._timeline) if self._timeline is not None else None
 
+    def order_messages(self, ordered: bool | None, slots) -> None:
+        """Chooses the message path (None: ordered for CUDA tensors, tagged for CPU ones); `slots`
+        is the schedule's unit_time_slots, from which the ordered path derives its order."""
+        if ordered is None:
+            ordered = self._device.type == "cuda"
+        if ordered:
+            self._ordered = message_order.OrderedChannels(
+                self.pipe, self.index, self._ranks, self._group, self._device, slots
+            )
+        elif self._device.type == "cuda" and not _warned_host_staging:
+            _warned_host_staging.append(True)
+            warnings.warn(
+                "smp: pipeline activations on CUDA are staged through host memory and sent over Gloo "
+                "(ordered_messages is false); set it to true (or leave it unset) to send them GPU to "
+                "GPU over NCCL",
+                stacklevel=2,
+            )
+
     # --- forward ------------------------------------------------------------
 
     def forward(self, k: int, args: tuple, kwargs: dict) -> PendingOutputs:
         flat = self.pipe.captured.flatten_inputs(args, kwargs)
         self._check_inputs(flat)
+        if self._ordered is not None and not self._ordered.started:
+            self._ordered.start(with_gradients=torch.is_grad_enabled())
         values = self.pipe.values
         incoming = {
             name: self._recv(values[name], values[name].src, _ACTIVATION, k) for name in self.stage.received
@@ -152,13 +191,22 @@ class StageRuntime:
                 if leaf.ref not in incoming:  # a value returned twice arrives once
                     incoming[leaf.ref] = self._recv(value, value.src, _OUTPUT, k)
                 outputs.append((position, incoming[leaf.ref]))
+        if self._ordered is not None:
+            self._ordered.flush()
         self._in_flight[k] = _InFlight(received, produced)
         return PendingOutputs(self.pipe, leaves, outputs)
 
     # --- backward -----------------------------------------------------------
 
-    def backward(self, k: int, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        """Backward of microbatch k from the user's loss(es) and the gradients later stages send."""
+    def backward(
+        self,
+        k: int,
+        tensors: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        defer_weights: bool = False,
+    ) -> None:
+        """Backward of microbatch k from the user's loss(es) and the gradients later stages send;
+        with defer_weights, only the input gradients (backward_weights(k) does the rest)."""
         state = self._in_flight.pop(k)
         values = self.pipe.values
         roots, root_grads = [], []
@@ -181,14 +229,29 @@ class StageRuntime:
             if tensor.requires_grad:
                 roots.append(tensor)
                 root_grads.append(grad)
-        if roots:
-            torch.autograd.backward(roots, root_grads)
-        for name in self.stage.received:
+        leaves = [state.received[name] for name in self.stage.received]
+        if defer_weights:  # zero_bubble's B: input gradients now, weight gradients at W
+            losses = [t for t in tensors if t.requires_grad]
+            input_grads, self._deferred[k] = split_backward.backward_inputs(
+                roots, root_grads, leaves, self._weights, losses
+            )
+        else:
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            input_grads = [leaf.grad for leaf in leaves]
+        for name, leaf, grad in zip(self.stage.received, leaves, input_grads, strict=True):
             value = values[name]
             if value.requires_grad:
-                leaf = state.received[name]
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                grad = grad if grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
+        if self._ordered is not None:
+            self._ordered.flush()
+
+    def backward_weights(self, k: int) -> None:
+        """zero_bubble's W: the weight gradients microbatch k's backward deferred (if any)."""
+        deferred = self._deferred.pop(k, None)
+        if deferred is not None:
+            deferred.run()
 
     def produced(self, k: int) -> dict[str, torch.Tensor]:
         """The values this stage computed in microbatch k's forward (until its backward)."""
@@ -197,6 +260,8 @@ class StageRuntime:
     def finish_step(self) -> None:
         if self._sending is not None:
             self._sending.poll()
+        if self._ordered is not None:
+            self._sends += self._ordered.finish_step()
         with faults.waiting(f"pipeline stage {self.index} completing its sends", self._group_name()):
             for work in self._sends:
                 work.wait()
@@ -204,6 +269,7 @@ class StageRuntime:
             self._sending.close()
         self._sends = []
         self._in_flight.clear()
+        self._deferred.clear()
 
     # --- messages -----------------------------------------------------------
 
@@ -211,6 +277,9 @@ class StageRuntime:
         return (kind * self._microbatches + k) * len(self._value_id) + self._value_id[name]
 
     def _send(self, tensor: torch.Tensor, dst_stage: int, kind: int, k: int, name: str) -> None:
+        if self._ordered is not None:  # posted with its group at the action's end (flush)
+            self._ordered.send(message_order.Message(self.index, dst_stage, kind, k, name), tensor)
+            return
         tag = self._tag(kind, k, name)
         timed = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if timed else 0
@@ -222,10 +291,13 @@ class StageRuntime:
             self._sending.add(work, "send", posted, **fields)
 
     def _recv(self, value: Value, src_stage: int, kind: int, k: int) -> _Incoming:
-        buffer = torch.empty(value.shape, dtype=value.dtype)
-        tag = self._tag(kind, k, value.name)
         what = f"pipeline stage {self.index} receiving {_KIND_NAMES[kind]} {value.name!r} of microbatch {k}"
         context = (f"{what} from stage {src_stage}", self._group_name(), self._ranks[src_stage])
+        if self._ordered is not None:  # posted when its group's turn comes (at the latest on wait)
+            msg = message_order.Message(src_stage, self.index, kind, k, value.name)
+            return _Incoming(None, _OrderedWork(self._ordered, msg), self._device, context)
+        buffer = torch.empty(value.shape, dtype=value.dtype)
+        tag = self._tag(kind, k, value.name)
         recording = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if recording else 0
         with faults.waiting(*context):
