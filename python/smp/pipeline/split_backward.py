@@ -57,12 +57,11 @@ def backward_inputs(
         return [None] * len(inputs), Deferred(roots, grads, [])
     root_nodes = [_node(t) for t in roots]
     reverse = _reverse_graph(root_nodes)
-    groups = _boundary(root_nodes, [_node(x) for x in wanted], weights, reverse)
-    if groups is None:
+    boundary, used = _boundary(root_nodes, [_node(x) for x in wanted], weights, reverse)
+    if boundary is None:
         torch.autograd.backward(roots, grads)
         return [x.grad if x.requires_grad else None for x in inputs], None
     noted: dict[Node, tuple] = {}
-    boundary = {node for nodes, _ in groups for node in nodes}
     handles = [node.register_prehook(functools.partial(_note, noted, node)) for node in boundary]
     try:
         got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
@@ -72,27 +71,22 @@ def backward_inputs(
     for t in losses:  # the graph above the boundary is needed no more: free it now, not at W
         _release(t)
     by_input = dict(zip(map(id, wanted), got, strict=True))
-    parts = [_Clamped({n: noted[n] for n in nodes if n in noted}, group) for nodes, group in groups]
-    parts = [part for part in parts if part.has_work]
-    return [by_input.get(id(x)) for x in inputs], _Parts(parts) if parts else None
+    edges, seeds = [], []
+    for node, gs in noted.items():
+        for i, g in enumerate(gs):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                seeds.append(g)
+    deferred = _Clamped(edges, seeds, used, noted) if edges and used else None
+    return [by_input.get(id(x)) for x in inputs], deferred
 
 
 class _Clamped(Deferred):
-    """W for one group of weights from its boundary nodes, each clamped to its noted gradient
-    (however many ways reach it). Asking for the group's weights only keeps autograd on their
-    side of the boundary: one call for all weights would run the inputs' part of the graph again
-    to reach the deeper boundary nodes (measured: W then cost a whole backward)."""
+    """W from boundary nodes: each gets exactly its noted gradient, however many ways reach it."""
 
-    def __init__(self, noted: dict[Node, tuple], weights: list[torch.Tensor]):
-        edges, seeds = [], []
-        for node, gs in noted.items():
-            for i, g in enumerate(gs):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    seeds.append(g)
+    def __init__(self, edges, seeds, weights, noted: dict[Node, tuple]):
         super().__init__(edges, seeds, weights)
         self._noted = noted
-        self.has_work = bool(edges)
 
     def run(self) -> None:
         noted, self._noted = self._noted, None
@@ -102,17 +96,6 @@ class _Clamped(Deferred):
         finally:
             for handle in handles:
                 handle.remove()
-
-
-class _Parts(Deferred):
-    def __init__(self, parts: list[Deferred]):
-        super().__init__(None, None, [])
-        self._parts = parts
-
-    def run(self) -> None:
-        parts, self._parts = self._parts, []
-        for part in parts:
-            part.run()
 
 
 def _note(noted: dict, node: Node, grad_outputs: tuple) -> None:
@@ -165,25 +148,21 @@ def _towards_roots(starts: list[Node], stop: set[Node], reverse) -> tuple[set[No
 
 
 def _boundary(root_nodes, input_nodes, weights, reverse):
-    """The weights this backward reaches, in groups with their boundary nodes (weights whose
-    boundary nodes overlap share a group: a linear layer's weight and bias); None if some weight's
+    """The boundary nodes and the weights this backward reaches; (None, weights) if some weight's
     gradient reaches a root without passing the inputs' part of the graph."""
     to_inputs, _ = _towards_roots(input_nodes, set(), reverse)
     roots = set(root_nodes)
-    groups: list[tuple[set[Node], list[torch.Tensor]]] = []
+    boundary: set[Node] = set()
+    used = []
     for w in weights:
         if not w.requires_grad:
             continue
         node = _node(w)
         if node not in reverse:
             continue  # this microbatch's graph does not use it
+        used.append(w)
         closure, hit = _towards_roots([node], to_inputs, reverse)
         if not hit or closure & roots:
-            return None
-        nodes, group = set(hit), [w]
-        for other in [g for g in groups if g[0] & nodes]:
-            groups.remove(other)
-            nodes |= other[0]
-            group += other[1]
-        groups.append((nodes, group))
-    return groups
+            return None, used
+        boundary |= hit
+    return boundary, used
