@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -49,7 +50,15 @@ class RankFailure(AssertionError):
     pass
 
 
-def _worker(fn, rank, world_size, init_file, port, env, init, group_timeout, hang_dump, args, results):
+def _worker(fn, rank, world_size, init_file, port, env, init, group_timeout, hang_dump, args, results, out):
+    # The fork server's stdout/stderr are not the test's: this rank's go to files that the test's
+    # process copies to its own (so pytest's capture sees them), even if the rank is killed.
+    for fd, path in zip((1, 2), out, strict=True):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
     # A rank still running near the deadline prints where it is stuck.
     faulthandler.dump_traceback_later(hang_dump, exit=False)
     os.environ.update(env or {})
@@ -127,6 +136,7 @@ def run_ranks(
                     max(timeout - 5, 1),
                     args,
                     results,
+                    _output_files(tmp, rank),
                 ),
                 daemon=True,
             )
@@ -139,6 +149,7 @@ def run_ranks(
             outcomes = _collect(procs, results, world_size, timeout)
         finally:
             _reap(procs, reported=set(outcomes))
+            _copy_output(tmp, world_size)
     failures = {r: o for r, (ok, o) in outcomes.items() if not ok}
     missing = sorted(set(range(world_size)) - set(outcomes))
     if failures or missing:
@@ -147,6 +158,21 @@ def run_ranks(
             lines.append(f"ranks {missing} did not report (hung or crashed; killed)")
         raise RankFailure("\n".join(lines))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def _output_files(tmp: str, rank: int) -> tuple[str, str]:
+    return os.path.join(tmp, f"rank{rank}.stdout"), os.path.join(tmp, f"rank{rank}.stderr")
+
+
+def _copy_output(tmp: str, world_size: int) -> None:
+    """Each rank's stdout and stderr, rank by rank, onto this process's."""
+    for rank in range(world_size):
+        for path, stream in zip(_output_files(tmp, rank), (sys.stdout, sys.stderr), strict=True):
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    stream.write(f.read())
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def _context():
