@@ -236,6 +236,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         "local": sorted(local),
         "shared": sorted(dmodel.partition_plan.shared_parameters) if dmodel.partition_plan else [],
         "activation_peak": dmodel.saved_activation_bytes()["peak"],
+        "kept_gradients_peak": dmodel.saved_activation_bytes()["kept_gradients_peak"],
         "distributed": sorted(n for n, p in local.items() if dmodel.is_distributed_parameter(p)),
         "tp_share": report.sharded_share if (report := dmodel.tensor_parallel_report()) else None,
         "local_numel": {n: p.numel() for n, p in local.items()},

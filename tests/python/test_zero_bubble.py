@@ -5,10 +5,15 @@ re-initializing smp per config, to keep the suite short."""
 
 from __future__ import annotations
 
+import models
 import pipeline_cases
 import pytest
+import torch
 from harness import run_ranks
-from smp.pipeline import schedule
+from smp import passes
+from smp.pipeline import activation_meter, schedule, split_backward
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 TOL = 1e-5
 MICROBATCHES = (1, 2, 4, 8)
@@ -70,7 +75,7 @@ def _skip_runs(world: int) -> list[tuple[str, dict, dict]]:
 
 
 def _matrix(rank, world_size):
-    keep = ("loss_err", "param_err", "grad_err", "activation_peak")
+    keep = ("loss_err", "param_err", "grad_err", "activation_peak", "kept_gradients_peak")
     out = []
     for case, runs in (("gpt", _gpt_runs(world_size)), ("skip", _skip_runs(world_size))):
         if not runs:
@@ -105,8 +110,13 @@ def test_zero_bubble_and_ordered_messages_parity_matrix(world):
             ]
             for name in ("interleaved", "zero_bubble")
         }
-        print("saved-activation peaks per rank:", peaks)
+        kept = [
+            dict((n, r) for n, _, r in results)["memory zero_bubble"]["kept_gradients_peak"]
+            for results in per_rank
+        ]
+        print("saved-activation peaks per rank:", peaks, "zero_bubble's kept output gradients:", kept)
         assert min(peaks["zero_bubble"]) > 0, peaks
+        assert min(kept[1:]) > 0, kept  # stages 1-3 defer (stage 0 runs its whole backward at W)
         # No stage's peak is higher than under 1F1B.
         for zb, one_f_one_b in zip(peaks["zero_bubble"], peaks["interleaved"], strict=True):
             assert zb <= one_f_one_b, peaks
@@ -134,3 +144,64 @@ def test_zero_bubble_schedule_is_data():
     # 3 units per microbatch (F, B, W) + 2(p-1) idle: fewer than 1F1B's 3m + 3(p-1) (B = 2 units).
     assert "26 slots" in schedule.render_text("zero_bubble", 2, 8, 4)
     assert "30 slots" in schedule.render_text("zero_bubble", 4, 8, 6)
+
+
+class _Mixed(nn.Module):
+    """Linears whose weights W can take, spelled several ways (nn.Linear in two blocks; `shared`
+    applied twice; an in-place op on a linear's output; transformers' Conv1D, an addmm on an
+    [in, out] weight; `y @ raw` on an [in, out] parameter), and one it cannot (`tied` is also
+    read outside a linear)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.blocks = nn.Sequential(models.Block(dim, 2), models.Block(dim, 2))
+        self.shared = nn.Linear(dim, dim)
+        self.conv = Conv1D(dim, dim)
+        self.raw = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.tied = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        h = self.blocks(x)
+        y = self.shared(self.shared(h))
+        y.mul_(0.5)
+        y = self.conv(y) @ self.raw
+        return self.tied(y) * self.tied.weight.tanh().mean()
+
+
+def test_split_backward_defers_exactly_the_linear_weights():
+    """B gives the input's gradient and the gradients of the weights it does not defer; W the rest;
+    together they equal a plain backward. What W keeps counts in the saved-activation meter."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    x = torch.randn(2, 5, 16)
+    g = torch.randn(2, 5, 16)
+    x_ref = x.clone().requires_grad_()
+    model(x_ref).backward(g)
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    gm = passes.capture(model, (x,)).graph_module
+    deferred = split_backward.defer_weight_gradients(gm)
+    names = {id(p): n for n, p in model.named_parameters()}
+    expect = {n for n in names.values() if not ("ln" in n or "tied" in n)}
+    assert {names[i] for i in deferred} == expect
+
+    meter = activation_meter.SavedActivationMeter(model.parameters())
+    store = split_backward.WeightGradients(meter)
+    x_in = x.clone().requires_grad_()
+    with meter.track(), split_backward.collecting(store):
+        y = gm(x_in)
+    now = [p for p in model.parameters() if id(p) not in deferred]
+    (x_grad,) = split_backward.backward_inputs([y], [g], [x_in], now, store)
+    torch.testing.assert_close(x_grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        if n in expect:
+            assert p.grad is None, n  # left to W
+        else:
+            torch.testing.assert_close(p.grad, reference[n], rtol=1e-5, atol=1e-6)
+    # W's inputs: the linears' inputs (activations) and output gradients (counted apart)
+    assert meter.live_bytes > 0 and meter.gradient_live_bytes > 0
+    store.run()
+    assert meter.live_bytes == 0 and meter.gradient_live_bytes == 0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[n], rtol=1e-5, atol=1e-6)

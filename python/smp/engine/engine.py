@@ -302,6 +302,12 @@ class Engine:
             self.dtype is not None,
         )
         self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
+        for runtime in parallelized.runtimes.values():
+            self._prepare(runtime)
+
+    def _prepare(self, runtime: StageRuntime) -> None:
+        """What the schedule asks of a new stage runtime (every signature's): the message path,
+        and for zero_bubble the rewrite that lets its weight gradients wait for W."""
         if self.groups.pp_size > 1:
             slots = schedule.unit_time_slots(
                 self.config.pipeline,
@@ -309,8 +315,9 @@ class Engine:
                 self.config.microbatches,
                 self.config.num_active_microbatches,
             )
-            for runtime in parallelized.runtimes.values():
-                runtime.order_messages(self.config.ordered_messages, slots)
+            runtime.order_messages(self.config.ordered_messages, slots)
+        if self._defers_weights:
+            runtime.defer_weight_gradients()
 
     def _runtime(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> StageRuntime:
         """The stage runtime for the modules' train/eval modes and these inputs' signature,
@@ -346,6 +353,7 @@ class Engine:
         finally:
             self._tracing = False
         runtime.meter = self._meter if self._track_activations else None
+        self._prepare(runtime)
         return runtime
 
     @property
@@ -448,8 +456,16 @@ class Engine:
             runtime.meter = self._meter if enabled else None
 
     def saved_activation_bytes(self) -> dict[str, int]:
+        """Saved activations, live and peak; and the peak of the output gradients zero_bubble's
+        W keeps (0 under the other schedules)."""
         meter = self._meter
-        return {"live": meter.live_bytes if meter else 0, "peak": meter.peak_bytes if meter else 0}
+        if meter is None:
+            return {"live": 0, "peak": 0, "kept_gradients_peak": 0}
+        return {
+            "live": meter.live_bytes,
+            "peak": meter.peak_bytes,
+            "kept_gradients_peak": meter.gradient_peak_bytes,
+        }
 
 
 def _cast_floating(tree, dtype: torch.dtype):

@@ -1,4 +1,5 @@
-"""Counts the bytes autograd saves for backward (activations), live and peak, with saved-tensor hooks.
+"""Counts the bytes autograd saves for backward (activations), live and peak, with saved-tensor hooks;
+and, apart, the output gradients zero_bubble keeps for its deferred weight gradients.
 
 Tensors that share storage with a parameter (weights saved by matmuls) are not
 activations and are not counted; a storage saved twice counts once.
@@ -30,14 +31,36 @@ class SavedActivationMeter:
         self._live: dict[int, list[int]] = {}  # storage -> [saved count, bytes]
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.gradient_live_bytes = 0  # output gradients zero_bubble's W keeps (see hold)
+        self.gradient_peak_bytes = 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+        self.gradient_peak_bytes = self.gradient_live_bytes
 
     @contextlib.contextmanager
     def track(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
+
+    def hold(self, tensor: torch.Tensor, gradient: bool = False):
+        """Counts a tensor kept for backward outside autograd (zero_bubble's W inputs) for as long
+        as the returned object lives; its `.tensor` is the tensor. A kept activation counts with
+        the saved ones; a kept gradient apart (`gradient_peak_bytes`): gradients in flight are not
+        counted in any schedule (a plain backward holds each while its node runs), so counting
+        these with the activations would compare unlike things."""
+        if not gradient:
+            held = self._pack(tensor)
+            return held if isinstance(held, _Saved) else _Saved(tensor)
+        held = _Saved(tensor)
+        nbytes = tensor.untyped_storage().nbytes()
+        self.gradient_live_bytes += nbytes
+        self.gradient_peak_bytes = max(self.gradient_peak_bytes, self.gradient_live_bytes)
+        weakref.finalize(held, self._release_gradient, nbytes)
+        return held
+
+    def _release_gradient(self, nbytes: int) -> None:
+        self.gradient_live_bytes -= nbytes
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()

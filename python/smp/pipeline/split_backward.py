@@ -1,41 +1,142 @@
 """A stage's backward in two parts, for the zero-bubble schedule: B computes the gradients of the
 stage's inputs (sent upstream at once), W later computes the weights' gradients.
 
-B runs autograd from the roots to the inputs only, keeping the graph, and notes the gradient that
-arrives at each "boundary" node: a node on the way to the inputs from which a weight's gradient
-branches off (a linear layer's matmul). W then restarts autograd at those nodes with the noted
-gradients, asking only for the weights. This is torch.distributed.pipelining's
-stage_backward_input / stage_backward_weight, with two differences: W accumulates through
-autograd (`backward(inputs=weights)`), so a parameter's post-accumulate-grad hooks fire as in a
-plain backward (data-parallel buckets launch after their W; fp32 accumulation and flat gradient
-buffers work unchanged); and every boundary node belongs to one group, each clamped to its noted
-gradient, so a gradient reaching a boundary node by two ways is not counted twice.
+Where the split is made: at the linear layers, which hold nearly all of a transformer's weight
+gradient work (g^T x for each). `defer_weight_gradients` rewrites the stage graph so that every
+linear-like op whose weight (and bias) parameters are used nowhere else runs on detached
+parameters and is followed by a tap, an identity whose backward either computes the weight and
+bias gradients at once (a plain backward) or, during B, keeps the pair (x, g) for W. B is then one
+ordinary autograd pass (retain_graph off: each node's saved tensors are freed as it runs) asking
+for the stage inputs' gradients and those of the weights that were not deferred (norms,
+embeddings, a weight also read elsewhere); W is g^T x per kept pair and one autograd call into
+the parameters, so their post-accumulate-grad hooks fire once per microbatch as in a plain
+backward (data-parallel buckets launch after the W that completes them; fp32 accumulation and
+flat gradient buffers work unchanged). Between B and W a microbatch holds only its linears'
+inputs and output gradients, not its whole graph. W runs no collective: the weight gradients of
+smp's column- and row-parallel linears are local, their input gradients' all-reduce stays in B.
 
-When the split cannot cover a weight (its gradient reaches a root without passing the inputs'
-part of the graph) the backward runs whole at B: correct, only not split. A stage whose inputs
-need no gradient (the first) has nothing to send at B and runs its whole backward at W.
+(The previous split, torch.distributed.pipelining's approach of restarting autograd at the graph
+nodes where weight gradients branch off, kept the whole graph alive from B to W and cost
+1.6-1.9x a plain backward on the test GPT; this one costs about the plain backward.)
+
+A stage whose inputs need no gradient (the first) has nothing to send at B and runs its whole
+backward at W. A stage graph that is not rewritten (a compiled stage) runs its whole backward at B.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
+import contextlib
+import contextvars
+import operator
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch import fx
+
+from smp.passes.tensor_parallel.linear_forms import canonicalize_linears, linear_in_out
+
+# The linear-like ops: where their input, weight and bias are among the arguments, and how the
+# weight gradient is formed from the input x and the output gradient g: "out_in" (weight [out, in])
+# g^T x; "in_out" (weight [in, out], as transformers' Conv1D) x^T g. The bias's is g summed.
+_LINEAR_OPS = {
+    torch.ops.aten.linear.default: (0, 1, 2, "out_in"),
+    linear_in_out: (0, 1, 2, "in_out"),
+    torch.ops.aten.addmm.default: (1, 2, 0, "in_out"),  # addmm(bias, x, weight): Conv1D
+    torch.ops.smp.column_parallel_linear.default: (0, 1, 2, "out_in"),
+    torch.ops.smp.row_parallel_linear.default: (0, 1, 2, "out_in"),
+}
 
 
-class Deferred:
-    """What B leaves for W: run() accumulates the weights' gradients (once)."""
+class WeightGradients:
+    """One microbatch's deferred weight gradients: filled by its B, run by its W."""
 
-    def __init__(self, roots, grads, weights: list[torch.Tensor]):
-        # Either whole-backward roots (tensors) or boundary edges with their noted gradients.
-        self._roots, self._grads, self._weights = roots, grads, weights
+    def __init__(self, meter=None):
+        self.deferring = False
+        self._kept: list[tuple] = []  # (weight, bias, layout, x, g)
+        self._whole: tuple | None = None  # (roots, grads): a backward left whole to W
+        self._meter = meter  # a SavedActivationMeter: what W keeps counts as saved activations
+
+    def defer_whole(self, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self._whole = (roots, grads)
+
+    def keep(self, weight, bias, layout: str, x: torch.Tensor, g: torch.Tensor) -> None:
+        if self._meter is not None:
+            x, g = self._meter.hold(x), self._meter.hold(g, gradient=True)
+        self._kept.append((weight, bias, layout, x, g))
 
     def run(self) -> None:
-        roots, grads, self._roots, self._grads = self._roots, self._grads, None, None
-        if roots:
-            torch.autograd.backward(roots, grads, inputs=self._weights or None)
+        """Accumulates the kept weight gradients (each parameter once, summed over its uses)."""
+        if self._whole is not None:
+            (roots, grads), self._whole = self._whole, None
+            torch.autograd.backward(roots, grads)
+        kept, self._kept = self._kept, []
+        summed: dict[int, list] = {}
+        for weight, bias, layout, x, g in kept:
+            x, g = _held(x), _held(g)
+            for param, grad in _weight_grads(weight, bias, layout, x, g):
+                entry = summed.setdefault(id(param), [param, None])
+                entry[1] = grad if entry[1] is None else entry[1] + grad
+        del kept
+        if summed:
+            params, grads = zip(*summed.values(), strict=True)
+            torch.autograd.backward(list(params), list(grads))
+
+
+_collecting: contextvars.ContextVar[WeightGradients | None] = contextvars.ContextVar(
+    "smp_weight_gradients", default=None
+)
+
+
+@contextlib.contextmanager
+def collecting(store: WeightGradients):
+    """Around a microbatch's forward: its taps report to `store` when its backward is a B."""
+    token = _collecting.set(store)
+    try:
+        yield
+    finally:
+        _collecting.reset(token)
+
+
+class _Tap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, x, weight, bias, layout):
+        ctx.save_for_backward(x)
+        ctx.params = (weight, bias, layout)
+        ctx.store = _collecting.get()
+        # y itself, as if changed in place: a view (or y returned as-is, which autograd makes a
+        # view) could not be changed in place by the ops after it, and captured graphs do that.
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        weight, bias, layout = ctx.params
+        store = ctx.store
+        if store is not None and store.deferring:
+            store.keep(weight, bias, layout, x, g)
+            return g, None, None, None, None
+        grads = dict(_weight_grads(weight, bias, layout, x, g))
+        return g, None, grads.get(weight), grads.get(bias) if bias is not None else None, None
+
+
+def weight_tap(y: torch.Tensor, x: torch.Tensor, weight, bias, layout: str) -> torch.Tensor:
+    """y unchanged; its backward gives `weight` and `bias` the gradients of y = linear(x, weight,
+    bias) (now, or at W when the backward is zero_bubble's B). The graph op the rewrite inserts."""
+    return _Tap.apply(y, x, weight, bias, layout)
+
+
+def _weight_grads(weight, bias, layout: str, x: torch.Tensor, g: torch.Tensor):
+    g2 = g.reshape(-1, g.shape[-1])
+    x2 = x.to(g.dtype).reshape(-1, x.shape[-1])
+    if weight.requires_grad:
+        grad = g2.t().mm(x2) if layout == "out_in" else x2.t().mm(g2)
+        yield weight, grad.to(weight.dtype)
+    if bias is not None and bias.requires_grad:
+        yield bias, g2.sum(0).to(bias.dtype)
+
+
+def _held(t):
+    return t if isinstance(t, torch.Tensor) else t.tensor
 
 
 def backward_inputs(
@@ -43,126 +144,83 @@ def backward_inputs(
     grads: list[torch.Tensor],
     inputs: list[torch.Tensor],
     weights: list[torch.Tensor],
-    losses: list[torch.Tensor] = (),
-) -> tuple[list[torch.Tensor | None], Deferred | None]:
-    """B: the gradients of `inputs` (None where unused), and what W needs (None if nothing is
-    left: the backward ran whole). `losses` are the roots the user passed (not the stage's
-    outputs): they are detached after B, so that the graph above the boundary is freed then, not
-    when the user's step function lets go of its loss (a stage output is not: the stage's own
-    graph may have saved it, e.g. as the input of its next layer)."""
+    store: WeightGradients,
+) -> list[torch.Tensor | None]:
+    """B: the gradients of `inputs` (None where unused). `weights` are those not deferred (their
+    gradients accumulate now); the deferred ones' pairs go to `store`."""
     wanted = [x for x in inputs if x.requires_grad]
     if not roots:
-        return [None] * len(inputs), None
-    if not wanted:  # the first stage: everything is weight gradients
-        return [None] * len(inputs), Deferred(roots, grads, [])
-    root_nodes = [_node(t) for t in roots]
-    reverse = _reverse_graph(root_nodes)
-    boundary, used = _boundary(root_nodes, [_node(x) for x in wanted], weights, reverse)
-    if boundary is None:
-        torch.autograd.backward(roots, grads)
-        return [x.grad if x.requires_grad else None for x in inputs], None
-    noted: dict[Node, tuple] = {}
-    handles = [node.register_prehook(functools.partial(_note, noted, node)) for node in boundary]
+        return [None] * len(inputs)
+    if not wanted:  # the first stage: everything is weight gradients, all at W
+        store.defer_whole(roots, grads)
+        return [None] * len(inputs)
+    store.deferring = True
     try:
-        got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        torch.autograd.backward(roots, grads, inputs=wanted + [w for w in weights if w.requires_grad])
     finally:
-        for handle in handles:
-            handle.remove()
-    for t in losses:  # the graph above the boundary is needed no more: free it now, not at W
-        _release(t)
-    by_input = dict(zip(map(id, wanted), got, strict=True))
-    edges, seeds = [], []
-    for node, gs in noted.items():
-        for i, g in enumerate(gs):
-            if g is not None:
-                edges.append(GradientEdge(node, i))
-                seeds.append(g)
-    deferred = _Clamped(edges, seeds, used, noted) if edges and used else None
-    return [by_input.get(id(x)) for x in inputs], deferred
+        store.deferring = False
+    return [x.grad if x.requires_grad else None for x in inputs]
 
 
-class _Clamped(Deferred):
-    """W from boundary nodes: each gets exactly its noted gradient, however many ways reach it."""
-
-    def __init__(self, edges, seeds, weights, noted: dict[Node, tuple]):
-        super().__init__(edges, seeds, weights)
-        self._noted = noted
-
-    def run(self) -> None:
-        noted, self._noted = self._noted, None
-        handles = [node.register_prehook(lambda _, g=g: g) for node, g in noted.items()]
-        try:
-            super().run()
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-def _note(noted: dict, node: Node, grad_outputs: tuple) -> None:
-    noted[node] = tuple(grad_outputs)
-
-
-def _release(t: torch.Tensor) -> None:
-    try:
-        t.detach_()
-    except RuntimeError:  # a view cannot be detached in place; its graph then lives until W
-        pass
-
-
-def _node(t: torch.Tensor) -> Node:
-    """The tensor's grad_fn, or for a leaf its AccumulateGrad node."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _reverse_graph(roots: list[Node]) -> dict[Node, list[Node]]:
-    """node -> the nodes that feed it gradients (its consumers in the forward)."""
-    reverse: dict[Node, list[Node]] = collections.defaultdict(list)
-    seen = set(roots)
-    queue = collections.deque(roots)
-    while queue:
-        node = queue.popleft()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
+def defer_weight_gradients(module: torch.nn.Module) -> set[int]:
+    """Rewrites every linear-like op in the module's graphs (nested ones included) whose weight and
+    bias parameters are read by such ops only, so that their gradients can be deferred to W.
+    Returns the ids of the parameters whose gradients are then deferred."""
+    graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]
+    for gm in graphs:  # x @ W.T, matmul on [in, out] weights, einsum: linear ops first
+        canonicalize_linears(gm)
+    uses: dict[int, list[bool]] = {}  # id(param) -> per use: whether it is a deferrable slot
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op != "get_attr" or not isinstance(_attr(gm, node.target), torch.nn.Parameter):
                 continue
-            reverse[nxt].append(node)
-            if nxt not in seen:
-                seen.add(nxt)
-                queue.append(nxt)
-    return reverse
+            param = _attr(gm, node.target)
+            for user in node.users:
+                uses.setdefault(id(param), []).append(node in _weight_and_bias(user))
+    eligible = {pid for pid, slots in uses.items() if all(slots)}
+    deferred: set[int] = set()
+    for gm in graphs:
+        changed = False
+        for node in list(gm.graph.nodes):
+            weight, bias = _weight_and_bias(node)
+            ids = [id(_attr(gm, p.target)) for p in (weight, bias) if p is not None]
+            if weight is None or not all(i in eligible for i in ids):
+                continue
+            _tap(gm, node, weight, bias)
+            deferred.update(ids)
+            changed = True
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
+    return deferred
 
 
-def _towards_roots(starts: list[Node], stop: set[Node], reverse) -> tuple[set[Node], set[Node]]:
-    """Nodes reached from `starts` going towards the roots, not past `stop`; and the `stop` nodes hit."""
-    closure, hit = set(starts), set()
-    queue = collections.deque(starts)
-    while queue:
-        for parent in reverse.get(queue.popleft(), ()):
-            if parent in stop:
-                hit.add(parent)
-            elif parent not in closure:
-                closure.add(parent)
-                queue.append(parent)
-    return closure, hit
+def _weight_and_bias(node: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    """A linear-like op's weight and bias when they are parameters read directly (else None)."""
+    spec = _LINEAR_OPS.get(node.target) if node.op == "call_function" else None
+    if spec is None or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None, None
+    x_at, w_at, b_at, _ = spec
+    args = node.args
+    x = args[x_at] if len(args) > x_at else None
+    found = []
+    for at in (w_at, b_at):
+        arg = args[at] if len(args) > at else None
+        found.append(arg if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg is not x else None)
+    return found[0], found[1]
 
 
-def _boundary(root_nodes, input_nodes, weights, reverse):
-    """The boundary nodes and the weights this backward reaches; (None, weights) if some weight's
-    gradient reaches a root without passing the inputs' part of the graph."""
-    to_inputs, _ = _towards_roots(input_nodes, set(), reverse)
-    roots = set(root_nodes)
-    boundary: set[Node] = set()
-    used = []
-    for w in weights:
-        if not w.requires_grad:
-            continue
-        node = _node(w)
-        if node not in reverse:
-            continue  # this microbatch's graph does not use it
-        used.append(w)
-        closure, hit = _towards_roots([node], to_inputs, reverse)
-        if not hit or closure & roots:
-            return None, used
-        boundary |= hit
-    return boundary, used
+def _tap(gm: fx.GraphModule, node: fx.Node, weight, bias) -> None:
+    x_at, _, _, layout = _LINEAR_OPS[node.target]
+    graph = gm.graph
+    with graph.inserting_before(node):
+        detached = {p: graph.call_function(torch.ops.aten.detach.default, (p,)) for p in (weight, bias) if p}
+    node.args = tuple(detached.get(a, a) if isinstance(a, fx.Node) else a for a in node.args)
+    with graph.inserting_after(node):
+        tap = graph.call_function(weight_tap, (node, node.args[x_at], weight, bias, layout))
+    node.replace_all_uses_with(tap, delete_user_cb=lambda user: user is not tap)
+    tap.meta = dict(node.meta)
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    return operator.attrgetter(target)(gm)

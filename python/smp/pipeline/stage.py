@@ -15,6 +15,7 @@ capture; no message carries metadata and no stage waits on a shape. Two paths:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any
@@ -113,8 +114,9 @@ class StageRuntime:
         self._value_id = {name: i for i, name in enumerate(sorted(pipe.values))}
         self._sends: list[dist.Work] = []
         self._in_flight: dict[int, _InFlight] = {}
-        self._deferred: dict[int, split_backward.Deferred | None] = {}
+        self._deferred: dict[int, split_backward.WeightGradients] = {}
         self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
+        self._deferrable: set[int] | None = None  # zero_bubble: ids of the weights W computes
         self._ordered: message_order.OrderedChannels | None = None
         self._input_meta = [
             (i, n.meta["val"].shape, n.meta["val"].dtype)
@@ -143,6 +145,16 @@ class StageRuntime:
                 stacklevel=2,
             )
 
+    def defer_weight_gradients(self) -> None:
+        """For zero_bubble: rewrites the stage graph so that its backward can leave the linear
+        layers' weight gradients to W (smp.pipeline.split_backward). A compiled stage is not
+        rewritten: its backward runs whole at B."""
+        if self._deferrable is None:
+            module = self.stage.module
+            compiled = module is not None and not isinstance(module, torch.fx.GraphModule)
+            rewrite = module is not None and not compiled
+            self._deferrable = split_backward.defer_weight_gradients(module) if rewrite else set()
+
     # --- forward ------------------------------------------------------------
 
     def forward(self, k: int, args: tuple, kwargs: dict) -> PendingOutputs:
@@ -160,12 +172,16 @@ class StageRuntime:
         }
         stage_inputs = [self._to_device(flat[i]) for i in self.stage.inputs]
         stage_inputs += [received[name] for name in self.stage.received]
-        with torch.autograd.set_grad_enabled(torch.is_grad_enabled()):  # the graph may switch grad mode
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(
+                torch.autograd.set_grad_enabled(torch.is_grad_enabled())
+            )  # graphs may switch it
             if self.meter is not None:
-                with self.meter.track():
-                    results = self.stage.module(*stage_inputs)
-            else:
-                results = self.stage.module(*stage_inputs)
+                scope.enter_context(self.meter.track())
+            if self._deferrable:
+                self._deferred[k] = split_backward.WeightGradients(self.meter)
+                scope.enter_context(split_backward.collecting(self._deferred[k]))
+            results = self.stage.module(*stage_inputs)
         produced = dict(zip(self.stage.produced, results, strict=True))
         for name, tensor in produced.items():
             value = values[name]
@@ -231,10 +247,9 @@ class StageRuntime:
                 root_grads.append(grad)
         leaves = [state.received[name] for name in self.stage.received]
         if defer_weights:  # zero_bubble's B: input gradients now, weight gradients at W
-            losses = [t for t in tensors if t.requires_grad]
-            input_grads, self._deferred[k] = split_backward.backward_inputs(
-                roots, root_grads, leaves, self._weights, losses
-            )
+            store = self._deferred.setdefault(k, split_backward.WeightGradients(self.meter))
+            now = [w for w in self._weights if id(w) not in (self._deferrable or ())]
+            input_grads = split_backward.backward_inputs(roots, root_grads, leaves, now, store)
         else:
             if roots:
                 torch.autograd.backward(roots, root_grads)
