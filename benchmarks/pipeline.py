@@ -211,6 +211,8 @@ def measure(args) -> dict | None:
     torch.set_num_threads(1)  # the processes share the machine's cores
     p = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     config = {"pipeline_parallel_degree": p, "microbatches": args.microbatches, "pipeline": args.schedule}
+    if args.timeline:  # smp's steps after the warm-up, as a Chrome trace and a picture
+        config["timeline"] = {"path": args.timeline, "start": args.warmup + 2, "steps": 4}
     smp.init(config)
     gloo = dist.new_group(backend="gloo")
     torch.manual_seed(0)
@@ -341,6 +343,9 @@ def main() -> None:
         "--peers",
         default="1f1b,izb,zbv",
         help=f"torch.distributed.pipelining schedules to run, of {','.join(PEERS)}",
+    )
+    parser.add_argument(
+        "--timeline", help="record 4 of smp's steps into this directory (smp.pipeline.timeline)"
     )
     parser.add_argument("--json", help="rank 0 also writes the results to this file")
     args = parser.parse_args()

@@ -15,9 +15,16 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_parallel_degree": 2, "microbatches": 2}),
     "tp2": (2, {"tensor_parallel_degree": 2}),
     "pp2_tp2": (4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}),
-    "pp2_rdp2_sharded": (
+    # zero_bubble here: its split at the linear layers meets GPT-2's Conv1D (addmm on [in, out]
+    # weights), Llama's bias-free projections and BERT's, with data-parallel buckets and sharded state.
+    "pp2_rdp2_sharded_zero_bubble": (
         4,
-        {"pipeline_parallel_degree": 2, "microbatches": 2, "shard_optimizer_state": True},
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 2,
+            "shard_optimizer_state": True,
+            "pipeline": "zero_bubble",
+        },
     ),
 }
 

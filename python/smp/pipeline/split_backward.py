@@ -63,22 +63,68 @@ class WeightGradients:
             x, g = self._meter.hold(x), self._meter.hold(g, gradient=True)
         self._kept.append((weight, bias, layout, x, g))
 
+    @torch.no_grad()
     def run(self) -> None:
-        """Accumulates the kept weight gradients (each parameter once, summed over its uses)."""
+        """Accumulates the kept weight gradients into each parameter's .grad in place (one fused
+        multiply-add per linear: no new gradient tensor, no second pass over it), then runs each
+        parameter's post-accumulate-grad hooks once, as autograd's AccumulateGrad does (data-parallel
+        buckets, fp32 accumulation): a parameter read by several linears gets every part first."""
         if self._whole is not None:
             (roots, grads), self._whole = self._whole, None
             torch.autograd.backward(roots, grads)
         kept, self._kept = self._kept, []
-        summed: dict[int, list] = {}
+        done: dict[int, torch.Tensor] = {}
+        through_autograd: dict[int, list] = {}  # hooks torch does not show: let AccumulateGrad run them
         for weight, bias, layout, x, g in kept:
             x, g = _held(x), _held(g)
-            for param, grad in _weight_grads(weight, bias, layout, x, g):
-                entry = summed.setdefault(id(param), [param, None])
-                entry[1] = grad if entry[1] is None else entry[1] + grad
+            if _hooks(weight) is None:
+                for param, grad in _weight_grads(weight, bias, layout, x, g):
+                    entry = through_autograd.setdefault(id(param), [param, None])
+                    entry[1] = grad if entry[1] is None else entry[1] + grad
+                continue
+            g2, product = _operands(layout, x, g)
+            for param, part in ((weight, product), (bias, None)):
+                if param is not None and param.requires_grad:
+                    _accumulate(param, part, g2)
+                    done[id(param)] = param
         del kept
-        if summed:
-            params, grads = zip(*summed.values(), strict=True)
+        for param in done.values():
+            for hook in list(_hooks(param).values()):
+                hook(param)
+        if through_autograd:
+            params, grads = zip(*through_autograd.values(), strict=True)
             torch.autograd.backward(list(params), list(grads))
+
+
+def _accumulate(param: torch.Tensor, product: tuple | None, g2: torch.Tensor) -> None:
+    """param.grad += a @ b (a weight), or += g2 summed over rows (a bias)."""
+    grad = param.grad
+    if product is None:
+        part = g2.sum(0)
+    elif grad is not None and grad.dtype == product[0].dtype:
+        grad.addmm_(*product)
+        return
+    else:
+        part = product[0].mm(product[1])
+    if grad is None:
+        param.grad = part.to(param.dtype)
+    else:
+        grad.add_(part.to(grad.dtype))
+
+
+_NO_HOOKS: dict = {}
+
+
+def _hooks(param: torch.Tensor) -> dict | None:
+    """The parameter's post-accumulate-grad hooks ({} if none); None if this torch does not show
+    them (then W accumulates through autograd, which runs them)."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", _MISSING)
+    if hooks is _MISSING:
+        return None
+    return hooks if hooks is not None else _NO_HOOKS
+
+
+_MISSING = object()
 
 
 _collecting: contextvars.ContextVar[WeightGradients | None] = contextvars.ContextVar(
@@ -126,13 +172,19 @@ def weight_tap(y: torch.Tensor, x: torch.Tensor, weight, bias, layout: str) -> t
 
 
 def _weight_grads(weight, bias, layout: str, x: torch.Tensor, g: torch.Tensor):
-    g2 = g.reshape(-1, g.shape[-1])
-    x2 = x.to(g.dtype).reshape(-1, x.shape[-1])
+    """(parameter, gradient) for the weight and bias of y = linear(x, weight, bias), given g = dy."""
+    g2, (a, b) = _operands(layout, x, g)
     if weight.requires_grad:
-        grad = g2.t().mm(x2) if layout == "out_in" else x2.t().mm(g2)
-        yield weight, grad.to(weight.dtype)
+        yield weight, a.mm(b).to(weight.dtype)
     if bias is not None and bias.requires_grad:
         yield bias, g2.sum(0).to(bias.dtype)
+
+
+def _operands(layout: str, x: torch.Tensor, g: torch.Tensor):
+    """g as rows, and (a, b) with a @ b the weight's gradient in its own layout."""
+    g2 = g.reshape(-1, g.shape[-1])
+    x2 = x.to(g.dtype).reshape(-1, x.shape[-1])
+    return g2, ((g2.t(), x2) if layout == "out_in" else (x2.t(), g2))
 
 
 def _held(t):

@@ -147,12 +147,13 @@ class StageRuntime:
 
     def defer_weight_gradients(self) -> None:
         """For zero_bubble: rewrites the stage graph so that its backward can leave the linear
-        layers' weight gradients to W (smp.pipeline.split_backward). A compiled stage is not
-        rewritten: its backward runs whole at B."""
+        layers' weight gradients to W (smp.pipeline.split_backward). Not rewritten: a stage whose
+        inputs need no gradient (the first), which has nothing to send at B and runs its whole
+        backward at W; a compiled stage, whose backward runs whole at B."""
         if self._deferrable is None:
             module = self.stage.module
-            compiled = module is not None and not isinstance(module, torch.fx.GraphModule)
-            rewrite = module is not None and not compiled
+            sends_gradients = any(self.pipe.values[name].requires_grad for name in self.stage.received)
+            rewrite = isinstance(module, torch.fx.GraphModule) and sends_gradients
             self._deferrable = split_backward.defer_weight_gradients(module) if rewrite else set()
 
     # --- forward ------------------------------------------------------------
