@@ -189,6 +189,7 @@ def test_split_backward_defers_exactly_the_linear_weights():
         p.register_post_accumulate_grad_hook(lambda _, n=n: fired.__setitem__(n, fired[n] + 1))
     meter = activation_meter.SavedActivationMeter(model.parameters())
     now = [p for p in model.parameters() if id(p) not in deferred]
+    after_first: dict[str, torch.Tensor] = {}
     for microbatch in (1, 2):  # the second adds into the gradients the first left (in place)
         store = split_backward.WeightGradients(meter)
         x_in = x.clone().requires_grad_()
