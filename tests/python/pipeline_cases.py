@@ -147,12 +147,16 @@ def train_smp(rank, world_size, case, configs, steps, global_batch, options=None
     """
     import smp
 
-    ref = reference(case, steps, global_batch, options)
+    refs = {}  # per optimizer and clipping (the options the reference reads)
     results = []
     for config in [configs] if isinstance(configs, dict) else configs:
         config, extra = config if isinstance(config, tuple) else (config, {})
+        merged = (options or {}) | extra
+        key = (merged.get("optimizer"), merged.get("clip"))
+        if key not in refs:
+            refs[key] = reference(case, steps, global_batch, merged)
         smp.init(config)
-        results.append(_train_once(smp, case, steps, global_batch, (options or {}) | extra, ref))
+        results.append(_train_once(smp, case, steps, global_batch, merged, refs[key]))
         smp.parallel_state.reset()
     return results[0] if isinstance(configs, dict) else results
 
