@@ -8,19 +8,21 @@ parameters and is followed by a tap, an identity whose backward either computes 
 bias gradients at once (a plain backward) or, during B, keeps the pair (x, g) for W. B is then one
 ordinary autograd pass (retain_graph off: each node's saved tensors are freed as it runs) asking
 for the stage inputs' gradients and those of the weights that were not deferred (norms,
-embeddings, a weight also read elsewhere); W is g^T x per kept pair and one autograd call into
-the parameters, so their post-accumulate-grad hooks fire once per microbatch as in a plain
-backward (data-parallel buckets launch after the W that completes them; fp32 accumulation and
-flat gradient buffers work unchanged). Between B and W a microbatch holds only its linears'
-inputs and output gradients, not its whole graph. W runs no collective: the weight gradients of
-smp's column- and row-parallel linears are local, their input gradients' all-reduce stays in B.
+embeddings, a weight also read elsewhere); W adds g^T x into each parameter's .grad in place
+(one fused multiply-add, no new gradient tensor) and then runs the parameter's post-accumulate-grad
+hooks once, as autograd's AccumulateGrad would (data-parallel buckets launch after the W that
+completes them; fp32 accumulation and flat gradient buffers work unchanged). Between B and W a
+microbatch holds only its linears' inputs and output gradients, not its whole graph. W runs no
+collective: the weight gradients of smp's column- and row-parallel linears are local, their input
+gradients' all-reduce stays in B.
 
-(The previous split, torch.distributed.pipelining's approach of restarting autograd at the graph
-nodes where weight gradients branch off, kept the whole graph alive from B to W and cost
-1.6-1.9x a plain backward on the test GPT; this one costs about the plain backward.)
+Cost, measured on a 4-block GPT stage (dim 256) in one process: B + W 54.7 ms against 52.6 ms for
+a plain backward (1.04x). The previous split (torch.distributed.pipelining's: restart autograd at
+the nodes where weight gradients branch off) kept the whole graph from B to W and cost 1.6x.
 
-A stage whose inputs need no gradient (the first) has nothing to send at B and runs its whole
-backward at W. A stage graph that is not rewritten (a compiled stage) runs its whole backward at B.
+A stage whose inputs need no gradient (the first) is not rewritten: it has nothing to send at B
+and runs its whole backward at W. A compiled stage is not rewritten either: its backward runs
+whole at B.
 """
 
 from __future__ import annotations
