@@ -20,7 +20,12 @@ GPT_LAYOUTS = (
         "pp2_tp2_bounded",
         PP2 | {"tensor_parallel_degree": 2, "signature_warn_after": 4, "signature_cache_size": 3},
     ),
-    ("pp2_rdp2_sharded", PP2 | {"shard_optimizer_state": True}),
+    # Every new signature's stage runtime gets the schedule's preparation too: zero_bubble's
+    # rewrite and the ordered single-tag message path.
+    (
+        "pp2_rdp2_sharded_zero_bubble_ordered",
+        PP2 | {"shard_optimizer_state": True, "pipeline": "zero_bubble", "ordered_messages": True},
+    ),
 )
 EVAL_AT = 3  # the eval step runs before training step 3
 ADVICE = "distinct input signatures"
