@@ -174,9 +174,8 @@ class StageRuntime:
         stage_inputs = [self._to_device(flat[i]) for i in self.stage.inputs]
         stage_inputs += [received[name] for name in self.stage.received]
         with contextlib.ExitStack() as scope:
-            scope.enter_context(
-                torch.autograd.set_grad_enabled(torch.is_grad_enabled())
-            )  # graphs may switch it
+            grad_mode = torch.autograd.set_grad_enabled(torch.is_grad_enabled())  # graphs may switch it
+            scope.enter_context(grad_mode)
             if self.meter is not None:
                 scope.enter_context(self.meter.track())
             if self._deferrable:
@@ -352,10 +351,9 @@ class StageRuntime:
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"smp: model input {i} is {got}, but the pipeline was captured for "
-                    f"{tuple(shape)} {dtype}; "
-                    "every step must give the model inputs of the same shapes (pad to a fixed length and "
-                    "keep the batch size fixed with DataLoader(drop_last=True))"
+                    f"smp: model input {i} is {got}, but the stage graph chosen for these inputs was "
+                    f"captured for {tuple(shape)} {dtype}: smp's signature cache picked the wrong graph "
+                    "(a bug in smp; please report it with the inputs' shapes and dtypes)"
                 )
 
 
