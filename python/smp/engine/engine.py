@@ -13,6 +13,7 @@ ask the engine what they need through its public methods.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -68,6 +69,7 @@ class Engine:
         self.parallelized: Parallelized | None = None
         # Captured stage runtimes per (train/eval flags, input signature), once partitioned.
         self._signatures = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
+        self._modes: frozenset[tuple[bool, ...]] = frozenset()  # the train/eval flags captured
         self._grad_sync: GradSync | None = None
         self._shared_groups: dict[int, dist.ProcessGroup] = {}
         self._consumers: list[GradientConsumer] = []
@@ -275,8 +277,11 @@ class Engine:
         finally:
             self._tracing = False
         self._install(parallelized)
+        self._modes = frozenset(parallelized.runtimes)
         for flags, runtime in parallelized.runtimes.items():  # the first signature, in both modes
             self._signatures.put(flags, signature, runtime, seconds / len(parallelized.runtimes))
+        # From here on the signature cache alone holds them, so its bound covers them too.
+        self.parallelized = dataclasses.replace(parallelized, runtimes={})
         self._start_grad_sync()  # this step is under way
         self._meter = SavedActivationMeter(self.module.parameters())
         self.track_saved_activations(self._track_activations)
@@ -323,7 +328,7 @@ class Engine:
         """The stage runtime for the modules' train/eval modes and these inputs' signature,
         captured now (following the first partition) when the signature is new."""
         flags = training_flags(self.module)
-        if flags not in self.parallelized.runtimes:
+        if flags not in self._modes:
             raise RuntimeError(
                 "smp: the pipeline was captured with every module in train mode or every module in eval "
                 "mode (as set when the first step ran, and its opposite); this mix of train/eval modules "

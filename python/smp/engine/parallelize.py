@@ -34,7 +34,8 @@ from smp.tensor_parallel.shard import shard_modes
 class Parallelized:
     """This rank's part of the model, ready to run."""
 
-    # The stage runtime per train/eval flags of the modules (empty when the module runs whole).
+    # The stage runtime per train/eval flags of the modules, for the first input signature (empty
+    # when the module runs whole; the engine hands them to its signature cache and keeps none).
     runtimes: Mapping[tuple[bool, ...], StageRuntime]
     # id(local shard) -> how it was cut from the full parameter.
     shard_specs: Mapping[int, passes.ShardSpec]
