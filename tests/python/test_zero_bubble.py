@@ -185,9 +185,14 @@ class _Mixed(nn.Module):
         return self.tied(y) * self.tied.weight.tanh().mean()
 
 
-def test_split_backward_defers_exactly_the_linear_weights():
+@pytest.mark.parametrize("hooks_shown", [True, False])
+def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypatch):
     """B gives the input's gradient and the gradients of the weights it does not defer; W the rest;
-    together they equal a plain backward. What W keeps counts in the saved-activation meter."""
+    together they equal a plain backward. What W keeps counts in the saved-activation meter.
+    hooks_shown=False: a torch that does not show a parameter's post-accumulate-grad hooks, where
+    W accumulates through autograd instead of in place."""
+    if not hooks_shown:
+        monkeypatch.setattr(split_backward, "_hooks", lambda param: None)
     torch.manual_seed(0)
     model = _Mixed()
     x = torch.randn(2, 5, 16)
