@@ -2,7 +2,9 @@
 mixture of experts, multi-query attention, per-head fused q/k/v, parallel attention + MLP,
 ALiBi, rotary, tied embeddings), each built under smp.tensor_parallelism() as a new user
 would: 3 Adam steps against one process at tp=2 (x rdp=2), tp=4 and pp=2 x tp=2, and the
-share of matrix parameters actually sharded."""
+share of matrix parameters actually sharded. zero_bubble too (pp=2 x tp=2, and pp=4 on the
+ordered single-tag path): its split at the linear layers meets each architecture's own linears
+(FalconLinear, Conv1D, expert banks, fused q/k/v)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from harness import run_ranks
 
 TOLERANCE = 1e-4
 MIN_SHARE = 0.85  # of the marked matrix bytes sharded, at tp=2 (every shape here divides by 2)
+PP2_TP2 = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
 CONFIGS = [
     {"tensor_parallel_degree": 2, "microbatches": 2},
     {"tensor_parallel_degree": 4},
-    {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
+    PP2_TP2,
+    PP2_TP2 | {"pipeline": "zero_bubble"},
+    {"pipeline_parallel_degree": 4, "microbatches": 4, "pipeline": "zero_bubble", "ordered_messages": True},
 ]
 
 
