@@ -49,6 +49,13 @@ def _gpt_runs(world: int) -> list[tuple[str, dict, dict]]:
         # the post-accumulate-grad hooks; compared with interleaved under bf16 (not with fp32).
         for name in ("interleaved", "zero_bubble"):
             runs.append((f"bf16 {name}", cfg | {"microbatches": 4, "pipeline": name, "bf16": True}, {}))
+        # fp16 with dynamic loss scaling: W's products carry the scale, which the optimizer divides
+        # out after every W has run; the same steps as interleaved under fp16.
+        scaling = {
+            "optimizer_kwargs": {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**10}}
+        }
+        for name in ("interleaved", "zero_bubble"):
+            runs.append((f"fp16 {name}", cfg | {"microbatches": 4, "pipeline": name, "fp16": True}, scaling))
     if world == 4:  # memory: the same layout and active_microbatches under both schedules
         for name in ("interleaved", "zero_bubble"):
             cfg = {
@@ -94,19 +101,23 @@ def _check(per_rank):
     for results in per_rank:
         by_name = {name: r for name, _, r in results}
         for name, cfg, r in results:
-            if name.startswith("bf16"):
+            if name.startswith(("bf16", "fp16")):
                 continue
             for key in ("loss_err", "param_err", "grad_err"):
                 assert r[key] < TOL, (name, cfg, r)
             if r["norm0"] is not None:  # the clipped run: the norm it clipped is the reference's
                 assert abs(r["norm0"] - r["ref_norm0"]) <= TOL * r["ref_norm0"], (name, r)
-        if "bf16 zero_bubble" in by_name:
-            zb, il = by_name["bf16 zero_bubble"], by_name["bf16 interleaved"]
-            # The same bf16 products in both (W's g^T x is autograd's weight-gradient product):
-            # the same losses, and parameters as far from the fp32 reference's (measured: equal).
+        for half in ("bf16", "fp16"):
+            if f"{half} zero_bubble" not in by_name:
+                continue
+            zb, il = by_name[f"{half} zero_bubble"], by_name[f"{half} interleaved"]
+            # The same half-precision products in both (W's g^T x is autograd's weight-gradient
+            # product): the same losses, and parameters as far from the fp32 reference's
+            # (measured: equal).
             for a, b in zip(zb["losses"], il["losses"], strict=True):
-                assert abs(a - b) <= 1e-6 * abs(b), (zb["losses"], il["losses"])
-            assert abs(zb["param_err"] - il["param_err"]) <= 1e-6 * il["param_err"], (zb, il)
+                assert abs(a - b) <= 1e-6 * abs(b), (half, zb["losses"], il["losses"])
+            assert abs(zb["param_err"] - il["param_err"]) <= 1e-6 * il["param_err"], (half, zb, il)
+            assert il["param_err"] < 1e-2, (half, il)  # and both trained (near the fp32 reference)
 
 
 @pytest.mark.slow
