@@ -208,7 +208,7 @@ class StageRuntime:
                     incoming[leaf.ref] = self._recv(value, value.src, _OUTPUT, k)
                 outputs.append((position, incoming[leaf.ref]))
         if self._ordered is not None:
-            self._ordered.flush()
+            self._flush_ordered(k)
         self._in_flight[k] = _InFlight(received, produced)
         return PendingOutputs(self.pipe, leaves, outputs)
 
@@ -260,6 +260,13 @@ class StageRuntime:
                 grad = grad if grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
         if self._ordered is not None:
+            self._flush_ordered(k)
+
+    def _flush_ordered(self, k: int) -> None:
+        """Posts the ordered path's groups that this action's sends complete."""
+        with faults.waiting(
+            f"pipeline stage {self.index} posting the messages of microbatch {k}", self._group_name()
+        ):
             self._ordered.flush()
 
     def backward_weights(self, k: int) -> None:
@@ -298,7 +305,10 @@ class StageRuntime:
         tag = self._tag(kind, k, name)
         timed = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if timed else 0
-        work = dist.isend(tensor.cpu(), dst=self._ranks[dst_stage], group=self._group, tag=tag)
+        # Posting fails at once if the peer has already gone (its connection closed): named too.
+        what = f"pipeline stage {self.index} sending {_KIND_NAMES[kind]} {name!r} of microbatch {k}"
+        with faults.waiting(f"{what} to stage {dst_stage}", self._group_name(), self._ranks[dst_stage]):
+            work = dist.isend(tensor.cpu(), dst=self._ranks[dst_stage], group=self._group, tag=tag)
         self._sends.append(work)
         if timed:
             self._sending.poll()
