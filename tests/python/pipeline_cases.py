@@ -68,8 +68,19 @@ def gqa_case(kv_heads: int = 4):
     return model, batch, lambda m, b: m(b["ids"], b["labels"]), lambda out, b: out
 
 
+def frozen_case():
+    """The GPT fine-tuned with parts frozen (requires_grad off): the tied embedding/head and the
+    positions, the whole first block, and in later blocks one MLP linear and one norm whose inputs
+    still need gradients (the gradient flows through them to the trainable layers before)."""
+    model, batch, forward, loss = gpt_case()
+    for module in (model.tok, model.pos, model.blocks[0], model.blocks[2].mlp[0], model.blocks[3].ln2):
+        module.requires_grad_(False)
+    return model, batch, forward, loss
+
+
 CASES = {
     "gpt": gpt_case,
+    "frozen": frozen_case,
     "gqa": gqa_case,
     # Multi-query attention: one key/value head, fewer than any tensor-parallel degree.
     "mqa": lambda: gqa_case(kv_heads=1),
@@ -124,7 +135,10 @@ def reference(case: str, steps: int, global_batch: int, options=None):
         loss = loss_fn(forward(model, b), b)
         loss.backward()
         if s == 0:  # Adam hides a wrong gradient scale: the tests also compare the first gradients
-            grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            grads = {  # a frozen parameter's gradient: none, compared as zeros
+                n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                for n, p in model.named_parameters(remove_duplicate=False)
+            }
         if "clip" in options:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options["clip"])
             norm0 = norm.item() if norm0 is None else norm0

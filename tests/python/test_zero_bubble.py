@@ -85,11 +85,27 @@ def _skip_runs(world: int) -> list[tuple[str, dict, dict]]:
     ]
 
 
+def _frozen_runs(world: int) -> list[tuple[str, dict, dict]]:
+    """Fine-tuning with frozen parts (pipeline_cases.frozen_case): a frozen linear is still tapped
+    (its input's gradient flows through it at B), and W gives it no gradient."""
+    pp2 = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "zero_bubble"}
+    if world == 2:
+        return [("frozen zero_bubble", pp2, {}), ("frozen zero_bubble ordered", pp2 | ORDERED, {})]
+    if world == 4:
+        tp = pp2 | {"tensor_parallel_degree": 2, "shard_optimizer_state": True}
+        return [
+            ("frozen zero_bubble tp", tp, {}),
+            ("frozen zero_bubble pp4", pp2 | {"pipeline_parallel_degree": 4}, {}),
+        ]
+    return []
+
+
 def _matrix(rank, world_size):
     keep = ("loss_err", "param_err", "grad_err", "activation_peak", "kept_gradients_peak", "losses")
     keep += ("norm0", "ref_norm0")
     out = []
-    for case, runs in (("gpt", _gpt_runs(world_size)), ("skip", _skip_runs(world_size))):
+    cases = (("gpt", _gpt_runs), ("skip", _skip_runs), ("frozen", _frozen_runs))
+    for case, runs in ((case, make(world_size)) for case, make in cases):
         if not runs:
             continue
         results = pipeline_cases.train_smp(rank, world_size, case, [(c, o) for _, c, o in runs], 3, 16)
