@@ -48,6 +48,7 @@ class GradSync:
         bucket_cap_mb: float = 25,
         fp32_accumulate: bool = False,
     ):
+        self._all_params = params
         self._params = [p for p in params if p.requires_grad]
         self._fp32 = fp32_accumulate
         self._dp_group = dp_group
@@ -64,6 +65,14 @@ class GradSync:
         self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
         recorder = timeline.recorder()
         self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
+
+    def follow_requires_grad(self) -> None:
+        """Averages the parameters that require grad now (between steps: nothing is in flight)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._params = [p for p in self._all_params if p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        self._buckets_stale = True
 
     def use_flat_grads(
         self, grads: torch.Tensor, params: list[torch.nn.Parameter], offsets: list[int]

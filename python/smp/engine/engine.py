@@ -71,6 +71,11 @@ class Engine:
         self._signatures = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
         self._modes: frozenset[tuple[bool, ...]] = frozenset()  # the train/eval flags captured
         self._grad_sync: GradSync | None = None
+        # requires_grad of every parameter when the gradient handling was set up for them; whether
+        # that set is final; and, if it has changed since, what changed (an error at the next backward).
+        self._trained: dict[str, bool] = {}
+        self._trained_final = False
+        self._trained_changed: str | None = None
         self._shared_groups: dict[int, dist.ProcessGroup] = {}
         self._consumers: list[GradientConsumer] = []
         self._post_partition_hooks: list[Callable] = []
@@ -145,6 +150,7 @@ class Engine:
             )
         if self._steps == 0:
             self._check_offloading()
+        self._check_trained_parameters()
         if self._grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
@@ -165,6 +171,7 @@ class Engine:
         if self._finite is not None:
             self._check_finite()
         if self._backward_ran:
+            self._trained_final = True
             self._passes_done = (self._passes_done + 1) % self._passes_per_step
             if self._passes_done == 0:  # the accumulation window is complete
                 for consumer in self._consumers:
@@ -172,6 +179,34 @@ class Engine:
         hooks, self._post_step_hooks = self._post_step_hooks, []
         for hook in hooks:
             hook(self.optimizer)
+
+    def _check_trained_parameters(self) -> None:
+        """Which parameters train is final once a step has run backward with smp's gradient handling
+        set up for them (gradient averaging, sums across stages, the pipeline's weight-gradient
+        split, sharded optimizer state), as DDP fixes it when it wraps a model. Until then (a whole
+        model, set up when wrapped) the averaging follows requires_grad; a change later is an error
+        at the next backward (forward-only steps may run with anything frozen), not gradients left
+        out or never averaged."""
+        self._trained_changed = None
+        if not self._trained:
+            return
+        now = _requires_grad(self.module)
+        if now == self._trained:
+            return
+        if not self._trained_final:
+            self._grad_sync.follow_requires_grad()
+            self._trained = now
+            return
+        changed = [name for name, flag in now.items() if self._trained.get(name) != flag]
+        listed = ", ".join(f"{name!r} ({self._trained.get(name)} -> {now[name]})" for name in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        self._trained_changed = (
+            f"smp: requires_grad of {listed}{more} changed after smp set up which parameters train "
+            "(at the first training step: their gradient averaging, sums across stages, optimizer "
+            "state), as DDP does when it wraps a model; training another set later is not supported. "
+            "Set requires_grad before the first smp.step call; to train another set of parameters "
+            "later, save a checkpoint and resume from it in a new run with the new settings"
+        )
 
     def _start_grad_sync(self) -> None:
         self._grad_sync.start_step(
@@ -221,6 +256,8 @@ class Engine:
         return pending.wait()
 
     def backward(self, mb: Microbatch, tensors: list[torch.Tensor], grad_tensors: list) -> None:
+        if self._trained_changed is not None:
+            raise ValueError(self._trained_changed)
         scale = 1.0 / self.config.microbatches if self._average_microbatches else 1.0
         if self._consumers:
             scale *= self._consumers[0].loss_scale  # fp16 loss scaling; the optimizer divides it out
@@ -307,6 +344,9 @@ class Engine:
             self.dtype is not None,
         )
         self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
+        self._trained = _requires_grad(self.module)
+        # A captured model's stage graphs and optimizer state are built for the set at partition.
+        self._trained_final = self.captures
         for runtime in parallelized.runtimes.values():
             self._prepare(runtime)
 
@@ -471,6 +511,10 @@ class Engine:
             "peak": meter.peak_bytes,
             "kept_gradients_peak": meter.gradient_peak_bytes,
         }
+
+
+def _requires_grad(module: nn.Module) -> dict[str, bool]:
+    return {name: p.requires_grad for name, p in module.named_parameters()}
 
 
 def _cast_floating(tree, dtype: torch.dtype):
