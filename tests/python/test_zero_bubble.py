@@ -9,6 +9,7 @@ import models
 import pipeline_cases
 import pytest
 import torch
+import torch.nn.functional as F
 from harness import run_ranks
 from smp import passes
 from smp.pipeline import activation_meter, message_order, schedule, split_backward
@@ -193,8 +194,10 @@ def test_zero_bubble_schedule_is_data():
 class _Mixed(nn.Module):
     """Linears whose weights W can take, spelled several ways (nn.Linear in two blocks; `shared`
     applied twice; an in-place op on a linear's output; transformers' Conv1D, an addmm on an
-    [in, out] weight; `y @ raw` on an [in, out] parameter), and one it cannot (`tied` is also
-    read outside a linear)."""
+    [in, out] weight; `y @ raw` on an [in, out] parameter; `side`, a linear of a constant buffer,
+    with no path to the stage input), and ones it cannot (`tied` is also read outside a linear;
+    `pair` is read by two linears, one of whose biases, `b2`, is read outside a linear, so that
+    linear is not tapped, and neither `pair` nor the other linear's `b1` can wait for W)."""
 
     def __init__(self, dim: int = 16):
         super().__init__()
@@ -203,13 +206,22 @@ class _Mixed(nn.Module):
         self.conv = Conv1D(dim, dim)
         self.raw = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
         self.tied = nn.Linear(dim, dim, bias=False)
+        self.side = nn.Linear(dim, dim)
+        self.register_buffer("const", torch.randn(5, dim))
+        self.pair = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.b1 = nn.Parameter(torch.randn(dim) / 4)
+        self.b2 = nn.Parameter(torch.randn(dim) / 4)
 
     def forward(self, x):
-        h = self.blocks(x)
+        h = self.blocks(x) + self.side(self.const)
         y = self.shared(self.shared(h))
         y.mul_(0.5)
         y = self.conv(y) @ self.raw
+        y = F.linear(y, self.pair, self.b1) + F.linear(y, self.pair, self.b2) * self.b2.sum()
         return self.tied(y) * self.tied.weight.tanh().mean()
+
+
+_NOT_DEFERRED = ("ln", "tied", "pair", "b1", "b2")
 
 
 @pytest.mark.parametrize("hooks_shown", [True, False])
@@ -232,7 +244,7 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
     gm = passes.capture(model, (x,)).graph_module
     deferred = split_backward.defer_weight_gradients(gm)
     names = {id(p): n for n, p in model.named_parameters()}
-    expect = {n for n in names.values() if not ("ln" in n or "tied" in n)}
+    expect = {n for n in names.values() if not any(part in n for part in _NOT_DEFERRED)}
     assert {names[i] for i in deferred} == expect
 
     fired = {n: 0 for n in names.values()}

@@ -53,6 +53,10 @@ class WeightGradients:
 
     def __init__(self, meter=None):
         self.deferring = False
+        # Every tap of the microbatch's forward takes this leaf as an input, and B asks for its
+        # gradient: so B runs every tap, also one whose linear has no path to the stage inputs (a
+        # projection of a model input or a constant buffer), which would otherwise keep nothing.
+        self.anchor = torch.zeros((), requires_grad=True)
         self._kept: list[tuple] = []  # (weight, bias, layout, x, g)
         self._whole: tuple | None = None  # (roots, grads): a backward left whole to W
         self._meter = meter  # a SavedActivationMeter: what W keeps counts as saved activations
@@ -146,10 +150,10 @@ def collecting(store: WeightGradients):
 
 class _Tap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, x, weight, bias, layout):
+    def forward(ctx, y, x, weight, bias, layout, store, anchor):
         ctx.save_for_backward(x)
         ctx.params = (weight, bias, layout)
-        ctx.store = _collecting.get()
+        ctx.store = store
         # y itself, as if changed in place: a view (or y returned as-is, which autograd makes a
         # view) could not be changed in place by the ops after it, and captured graphs do that.
         ctx.mark_dirty(y)
@@ -162,15 +166,17 @@ class _Tap(torch.autograd.Function):
         store = ctx.store
         if store is not None and store.deferring:
             store.keep(weight, bias, layout, x, g)
-            return g, None, None, None, None
+            return g, None, None, None, None, None, None
         grads = dict(_weight_grads(weight, bias, layout, x, g))
-        return g, None, grads.get(weight), grads.get(bias) if bias is not None else None, None
+        bias_grad = grads.get(bias) if bias is not None else None
+        return g, None, grads.get(weight), bias_grad, None, None, None
 
 
 def weight_tap(y: torch.Tensor, x: torch.Tensor, weight, bias, layout: str) -> torch.Tensor:
     """y unchanged; its backward gives `weight` and `bias` the gradients of y = linear(x, weight,
     bias) (now, or at W when the backward is zero_bubble's B). The graph op the rewrite inserts."""
-    return _Tap.apply(y, x, weight, bias, layout)
+    store = _collecting.get()
+    return _Tap.apply(y, x, weight, bias, layout, store, store.anchor if store is not None else None)
 
 
 def _weight_grads(weight, bias, layout: str, x: torch.Tensor, g: torch.Tensor):
@@ -210,7 +216,8 @@ def backward_inputs(
         return [None] * len(inputs)
     store.deferring = True
     try:
-        torch.autograd.backward(roots, grads, inputs=wanted + [w for w in weights if w.requires_grad])
+        asked = wanted + [w for w in weights if w.requires_grad] + [store.anchor]
+        torch.autograd.backward(roots, grads, inputs=asked)
     finally:
         store.deferring = False
     return [x.grad if x.requires_grad else None for x in inputs]
@@ -232,6 +239,22 @@ def defer_weight_gradients(module: torch.nn.Module) -> set[int]:
             for user in node.users:
                 uses.setdefault(id(param), []).append(node in _weight_and_bias(user))
     eligible = {pid for pid, slots in uses.items() if all(slots)}
+    # A linear is tapped only if all its parameters are eligible; a parameter read by a linear that
+    # is not tapped is not eligible either (that part of its gradient comes at B, through autograd,
+    # which must then be asked for it): repeat until the eligible ones are read by taps only.
+    linears = [
+        {id(_attr(gm, p.target)) for p in pair if p is not None}
+        for gm in graphs
+        for pair in map(_weight_and_bias, gm.graph.nodes)
+        if pair[0] is not None
+    ]
+    changed = True
+    while changed:
+        changed = False
+        for ids in linears:
+            if ids & eligible and not ids <= eligible:
+                eligible -= ids
+                changed = True
     deferred: set[int] = set()
     for gm in graphs:
         changed = False
