@@ -309,6 +309,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group["params"] = [p for p in group["params"] if not param_facts.is_nonlocal(p)]
         cfg, groups = self._engine.config, self._engine.groups
         if cfg.shard_optimizer_state or cfg.bf16 or cfg.fp16:
+            self._engine.fix_trained_parameters()  # the flat state holds those requiring grad now
             for group in self.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p.requires_grad]
             ranks = list(groups.rdp_ranks) if self.sharded else [groups.rank]

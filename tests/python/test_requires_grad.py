@@ -37,6 +37,9 @@ def _train(rank, world, config, when):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     if when == "frozen after the optimizer, before step 1":
         set_block0(False)
+    if when == "frozen after the optimizer built its state":
+        opt.state_dict()  # builds the flat (sharded) state for the parameters requiring grad now
+        set_block0(False)
 
     @smp.step
     def train_step(ids):
@@ -53,7 +56,14 @@ def _train(rank, world, config, when):
         for s in range(STEPS):
             if when == "frozen after step 1" and s == 1:
                 set_block0(False)
-            ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(s))
+            length = 16
+            if when == "evaluated all frozen on a new shape, then trained on it" and s == STEPS - 1:
+                length = 12  # a signature first captured by the frozen evaluation below
+                model.module.requires_grad_(False)
+                with torch.no_grad():
+                    eval_step(torch.zeros(8 if whole else 4, length, dtype=torch.long))
+                model.module.requires_grad_(True)
+            ids = torch.randint(0, 64, (8, length), generator=torch.Generator().manual_seed(s))
             opt.zero_grad()
             train_step(ids if whole else ids[rank * 4 : (rank + 1) * 4])
             opt.step()
@@ -77,6 +87,10 @@ CASES = [
     ({"microbatches": 2, "shard_optimizer_state": True}, "frozen after the optimizer, before step 1"),
     ({"microbatches": 2}, "all frozen for evaluation"),
     ({"microbatches": 2}, "frozen after step 1"),
+    (
+        {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "zero_bubble"},
+        "evaluated all frozen on a new shape, then trained on it",
+    ),
 ]
 NAMED = "smp: requires_grad of 'blocks.0.ln1.weight' (True -> False)"
 
@@ -107,3 +121,15 @@ def test_a_pipeline_refuses_requires_grad_changed_after_step_1():
     # Stage 0 holds blocks.0 and raises; stage 1, waiting on it, names stage 0's error.
     assert isinstance(stage0, str) and NAMED in stage0, stage0
     assert isinstance(stage1, str) and "rank 0 failed: ValueError: " + NAMED in stage1, stage1
+
+
+def _frozen_after_optimizer_state(rank, world):
+    config = {"microbatches": 2, "shard_optimizer_state": True}
+    return _train(rank, world, config, "frozen after the optimizer built its state")
+
+
+def test_requires_grad_changed_after_the_optimizer_built_its_state_is_refused():
+    """Sharded (or mixed-precision) optimizer state holds the parameters requiring grad when it is
+    built: after that, as after step 1, a change is refused. Its own launch (it fails)."""
+    for message in run_ranks(_frozen_after_optimizer_state, 2, timeout=120):
+        assert isinstance(message, str) and NAMED in message, message

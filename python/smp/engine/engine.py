@@ -76,6 +76,7 @@ class Engine:
         self._trained: dict[str, bool] = {}
         self._trained_final = False
         self._trained_changed: str | None = None
+        self._changed_names: tuple[str, ...] = ()  # keys the graphs captured while it differs
         self._shared_groups: dict[int, dist.ProcessGroup] = {}
         self._consumers: list[GradientConsumer] = []
         self._post_partition_hooks: list[Callable] = []
@@ -181,13 +182,13 @@ class Engine:
             hook(self.optimizer)
 
     def _check_trained_parameters(self) -> None:
-        """Which parameters train is final once a step has run backward with smp's gradient handling
-        set up for them (gradient averaging, sums across stages, the pipeline's weight-gradient
-        split, sharded optimizer state), as DDP fixes it when it wraps a model. Until then (a whole
-        model, set up when wrapped) the averaging follows requires_grad; a change later is an error
-        at the next backward (forward-only steps may run with anything frozen), not gradients left
-        out or never averaged."""
-        self._trained_changed = None
+        """Which parameters train is final once smp has built state for it: a captured model's
+        stage graphs at its first step (of any kind), a whole model's gradient averaging at its
+        first step that runs backward, sharded or mixed-precision optimizer state when built (as
+        DDP fixes it when it wraps a model). Until then the averaging follows requires_grad; a
+        change later is an error at the next backward (forward-only steps may run with anything
+        frozen, on graphs captured apart), not gradients left out or never averaged."""
+        self._trained_changed, self._changed_names = None, ()
         if not self._trained:
             return
         now = _requires_grad(self.module)
@@ -198,15 +199,24 @@ class Engine:
             self._trained = now
             return
         changed = [name for name, flag in now.items() if self._trained.get(name) != flag]
+        self._changed_names = tuple(changed)
         listed = ", ".join(f"{name!r} ({self._trained.get(name)} -> {now[name]})" for name in changed[:5])
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
         self._trained_changed = (
             f"smp: requires_grad of {listed}{more} changed after smp set up which parameters train "
-            "(at the first training step: their gradient averaging, sums across stages, optimizer "
-            "state), as DDP does when it wraps a model; training another set later is not supported. "
-            "Set requires_grad before the first smp.step call; to train another set of parameters "
-            "later, save a checkpoint and resume from it in a new run with the new settings"
+            "(at the first step of a pipeline or tensor-parallel model, the first training step of "
+            "a whole one, or when sharded or mixed-precision optimizer state was built: gradient "
+            "averaging, sums across stages, optimizer state), as DDP does when it wraps a model; "
+            "training another set later is not supported. Set requires_grad before the first "
+            "smp.step call; to train another set of parameters later, save a checkpoint and resume "
+            "from it in a new run with the new settings"
         )
+
+    def fix_trained_parameters(self) -> None:
+        """Called by an optimizer that builds state for the parameters requiring grad now (flat
+        buffers, shards): from here on that set is final."""
+        self._check_trained_parameters()
+        self._trained_final = True
 
     def _start_grad_sync(self) -> None:
         self._grad_sync.start_step(
@@ -368,18 +378,21 @@ class Engine:
         """The stage runtime for the modules' train/eval modes and these inputs' signature,
         captured now (following the first partition) when the signature is new."""
         flags = training_flags(self.module)
+        # Graphs captured while requires_grad differs from the trained set (a forward-only step
+        # with parameters frozen) bake that in: they are kept apart from the training ones.
+        key = (flags, self._changed_names) if self._changed_names else flags
         if flags not in self._modes:
             raise RuntimeError(
                 "smp: the pipeline was captured with every module in train mode or every module in eval "
                 "mode (as set when the first step ran, and its opposite); this mix of train/eval modules "
                 "is neither. Set the modes before the first step, or use model.train() / model.eval()"
             )
-        runtime = self._signatures.get(flags, signature)
+        runtime = self._signatures.get(key, signature)
         if runtime is None:
             runtime, seconds = signatures.timed(
                 lambda: self._capture_signature(flags, args, kwargs, batch_size)
             )
-            self._signatures.put(flags, signature, runtime, seconds)
+            self._signatures.put(key, signature, runtime, seconds)
         return runtime
 
     def _capture_signature(self, flags, args: tuple, kwargs: dict, batch_size: int | None) -> StageRuntime:
