@@ -197,7 +197,10 @@ class _Mixed(nn.Module):
     [in, out] weight; `y @ raw` on an [in, out] parameter; `side`, a linear of a constant buffer,
     with no path to the stage input), and ones it cannot (`tied` is also read outside a linear;
     `pair` is read by two linears, one of whose biases, `b2`, is read outside a linear, so that
-    linear is not tapped, and neither `pair` nor the other linear's `b1` can wait for W)."""
+    linear is not tapped, and neither `pair` nor the other linear's `b1` can wait for W; `shared_b`
+    is the bias of a linear whose weight is computed (`scaled` * 2), which is not tapped, and of
+    one on `raw2`, which then is not either). `frozen` (requires_grad off) is a linear of the
+    buffer: no gradient, and its output must not start requiring one."""
 
     def __init__(self, dim: int = 16):
         super().__init__()
@@ -211,17 +214,22 @@ class _Mixed(nn.Module):
         self.pair = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
         self.b1 = nn.Parameter(torch.randn(dim) / 4)
         self.b2 = nn.Parameter(torch.randn(dim) / 4)
+        self.scaled = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.raw2 = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.shared_b = nn.Parameter(torch.randn(dim) / 4)
+        self.frozen = nn.Linear(dim, dim).requires_grad_(False)
 
     def forward(self, x):
-        h = self.blocks(x) + self.side(self.const)
+        h = self.blocks(x) + self.side(self.const) + self.frozen(self.const)
         y = self.shared(self.shared(h))
         y.mul_(0.5)
         y = self.conv(y) @ self.raw
         y = F.linear(y, self.pair, self.b1) + F.linear(y, self.pair, self.b2) * self.b2.sum()
+        y = F.linear(y, self.scaled * 2, self.shared_b) + F.linear(y, self.raw2, self.shared_b)
         return self.tied(y) * self.tied.weight.tanh().mean()
 
 
-_NOT_DEFERRED = ("ln", "tied", "pair", "b1", "b2")
+_NOT_DEFERRED = ("ln", "tied", "pair", "b1", "b2", "scaled", "raw2", "shared_b")
 
 
 @pytest.mark.parametrize("hooks_shown", [True, False])
@@ -238,7 +246,8 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
     g = torch.randn(2, 5, 16)
     x_ref = x.clone().requires_grad_()
     model(x_ref).backward(g)
-    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    reference = {n: p.grad.clone() for n, p in trained.items()}
     model.zero_grad(set_to_none=True)
 
     gm = passes.capture(model, (x,)).graph_module
@@ -248,7 +257,7 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
     assert {names[i] for i in deferred} == expect
 
     fired = {n: 0 for n in names.values()}
-    for n, p in model.named_parameters():
+    for n, p in trained.items():
         p.register_post_accumulate_grad_hook(lambda _, n=n: fired.__setitem__(n, fired[n] + 1))
     meter = activation_meter.SavedActivationMeter(model.parameters())
     now = [p for p in model.parameters() if id(p) not in deferred]
@@ -260,7 +269,7 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
             y = gm(x_in)
         (x_grad,) = split_backward.backward_inputs([y], [g], [x_in], now, store)
         torch.testing.assert_close(x_grad, x_ref.grad, rtol=1e-5, atol=1e-6)
-        for n, p in model.named_parameters():
+        for n, p in trained.items():
             if n in expect:  # left to W
                 assert fired[n] == microbatch - 1, n
                 assert (p.grad is None) if microbatch == 1 else torch.equal(p.grad, after_first[n]), n
@@ -271,10 +280,11 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
         assert meter.live_bytes > 0 and meter.gradient_live_bytes > 0
         store.run()
         assert meter.live_bytes == 0 and meter.gradient_live_bytes == 0
-        for n, p in model.named_parameters():
+        for n, p in trained.items():
             assert fired[n] == microbatch, n  # hooks once per microbatch, as a plain backward
             torch.testing.assert_close(p.grad, microbatch * reference[n], rtol=1e-5, atol=1e-6)
-        after_first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        after_first = {n: p.grad.clone() for n, p in trained.items()}
+        assert model.frozen.weight.grad is None and model.frozen.bias.grad is None
 
 
 def _pipe(stages: int):

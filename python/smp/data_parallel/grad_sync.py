@@ -66,11 +66,13 @@ class GradSync:
         recorder = timeline.recorder()
         self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
 
-    def follow_requires_grad(self) -> None:
-        """Averages the parameters that require grad now (between steps: nothing is in flight)."""
+    def follow_requires_grad(self, params: list[torch.nn.Parameter]) -> None:
+        """Averages those of `params` (the model's parameters now, added ones included) that
+        require grad now (between steps: nothing is in flight)."""
         for hook in self._hooks:
             hook.remove()
-        self._params = [p for p in self._all_params if p.requires_grad]
+        self._all_params = params
+        self._params = [p for p in params if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         self._buckets_stale = True
 

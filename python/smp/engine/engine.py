@@ -195,7 +195,7 @@ class Engine:
         if now == self._trained:
             return
         if not self._trained_final:
-            self._grad_sync.follow_requires_grad()
+            self._grad_sync.follow_requires_grad(list(self.module.parameters()))
             self._trained = now
             return
         changed = [name for name, flag in now.items() if self._trained.get(name) != flag]

@@ -176,7 +176,12 @@ def weight_tap(y: torch.Tensor, x: torch.Tensor, weight, bias, layout: str) -> t
     """y unchanged; its backward gives `weight` and `bias` the gradients of y = linear(x, weight,
     bias) (now, or at W when the backward is zero_bubble's B). The graph op the rewrite inserts."""
     store = _collecting.get()
-    return _Tap.apply(y, x, weight, bias, layout, store, store.anchor if store is not None else None)
+    # The anchor only where there is a gradient to keep: a frozen linear's output must not start
+    # requiring grad (B would run its branch for nothing, and a recomputed region, which runs
+    # outside `collecting`, would save other tensors than its first forward did).
+    trained = weight.requires_grad or (bias is not None and bias.requires_grad)
+    anchor = store.anchor if store is not None and trained else None
+    return _Tap.apply(y, x, weight, bias, layout, store, anchor)
 
 
 def _weight_grads(weight, bias, layout: str, x: torch.Tensor, g: torch.Tensor):
@@ -237,7 +242,8 @@ def defer_weight_gradients(module: torch.nn.Module) -> set[int]:
                 continue
             param = _attr(gm, node.target)
             for user in node.users:
-                uses.setdefault(id(param), []).append(node in _weight_and_bias(user))
+                weight, bias = _weight_and_bias(user)  # a linear with a computed weight is not tapped
+                uses.setdefault(id(param), []).append(weight is not None and node in (weight, bias))
     eligible = {pid for pid, slots in uses.items() if all(slots)}
     # A linear is tapped only if all its parameters are eligible; a parameter read by a linear that
     # is not tapped is not eligible either (that part of its gradient comes at B, through autograd,
