@@ -3,12 +3,14 @@ stage's inputs (sent upstream at once), W later computes the weights' gradients.
 
 Where the split is made: at the linear layers, which hold nearly all of a transformer's weight
 gradient work (g^T x for each). `defer_weight_gradients` rewrites the stage graph so that every
-linear-like op whose weight (and bias) parameters are used nowhere else runs on detached
-parameters and is followed by a tap, an identity whose backward either computes the weight and
-bias gradients at once (a plain backward) or, during B, keeps the pair (x, g) for W. B is then one
-ordinary autograd pass (retain_graph off: each node's saved tensors are freed as it runs) asking
-for the stage inputs' gradients and those of the weights that were not deferred (norms,
-embeddings, a weight also read elsewhere); W adds g^T x into each parameter's .grad in place
+linear-like op whose weight (and bias) parameters are read by such ops only (all of them
+rewritten) runs on detached parameters and is followed by a tap, an identity whose backward either
+computes the weight and bias gradients at once (a plain backward) or, during B, keeps the pair
+(x, g) for W. B is then one ordinary autograd pass (retain_graph off: each node's saved tensors
+are freed as it runs) asking for the stage inputs' gradients, those of the weights that were not
+deferred (norms, embeddings, a weight also read elsewhere), and that of an anchor leaf every tap
+of a trained weight takes (so B runs every such tap, also one with no path to the stage inputs);
+W adds g^T x into each parameter's .grad in place
 (one fused multiply-add, no new gradient tensor) and then runs the parameter's post-accumulate-grad
 hooks once, as autograd's AccumulateGrad would (data-parallel buckets launch after the W that
 completes them; fp32 accumulation and flat gradient buffers work unchanged). Between B and W a
