@@ -96,6 +96,25 @@ def test_the_10b_row_fits_smps_own_buffers_and_is_what_the_walk_recommends():
     }
 
 
+def test_zero_bubble_v_places_two_half_stages_per_rank():
+    """Under "zero_bubble_v" rank r holds stages r and 2p-1-r of 2p: rank 0 the embeddings and the
+    head (so no replica of the tied weight), every rank its layers of two quarter-splits, and every
+    rank keeps min(active, pp, m) microbatches' worth of its layers (2x as many half-size stages)."""
+    from smp.planner import memory, model_facts
+    from smp.planner.layout import Layout
+
+    facts = model_facts.from_hf_config(REFERENCE["60B"][0], SEQ)  # 74 layers
+    v = Layout(pp=2, tp=8, microbatches=4, active_microbatches=2, pipeline="zero_bubble_v")
+    one = v.replace(pipeline="interleaved")
+    layer, before, after, tied = (x.per_rank(8) for x in (facts.layer, facts.before, facts.after, facts.tied))
+    # 74 layers over 4 stages: 19, 19, 18, 18; rank 0 = stages 0 and 3, rank 1 = stages 1 and 2.
+    assert memory.stage_parameters(facts, v, 0) == 37 * layer + before + after
+    assert memory.stage_parameters(facts, v, 1) == 37 * layer
+    assert memory.stage_parameters(facts, one, 1) == 37 * layer + after + tied
+    assert [memory.alive(v, r) for r in (0, 1)] == [2, 2]
+    assert [memory.alive(one, r) for r in (0, 1)] == [2, 1]
+
+
 @pytest.mark.parametrize("runtime", ["smp", "smp_v1"])
 def test_obviously_too_large_does_not_fit(runtime):
     ten_b = REFERENCE["10B"][0]

@@ -10,8 +10,9 @@ What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, pipe
   the state is sharded), and under bf16/fp16 the fp32 master chunk;
 - activations: what autograd saves, per microbatch, times the microbatches alive on the stage:
   1F1B ("interleaved") keeps min(active_microbatches, pp - stage) alive on stage `stage`,
-  "simple" keeps all. A checkpointed layer keeps its input instead, plus, while one region is
-  recomputed in backward, that region's activations for one microbatch;
+  "simple" keeps all, "zero_bubble_v" (two half-size stages per rank, rank 0 holding both ends)
+  2 min(active, pp, m) half-stage ones on every rank. A checkpointed layer keeps its input
+  instead, plus, while one region is recomputed in backward, that region's activations for one microbatch;
 - working memory: the logits the last stage holds per microbatch alive and their gradient, and
   the gradient of one layer's largest activation;
 - communication: pipeline send/receive buffers per microbatch alive, tensor-parallel collective
@@ -117,10 +118,25 @@ def stage_layers(layers: int, pp: int) -> list[int]:
     return [layers // pp + (1 if s < layers % pp else 0) for s in range(pp)]
 
 
+def held(layout: Layout, rank: int, layers: int) -> tuple[int, bool, bool]:
+    """(layers, whether it holds the first stage (the embeddings), whether it holds the last (the
+    head)) of pipeline rank `rank`: one stage per rank, or under "zero_bubble_v" two half-size
+    stages in a V (rank r: stages r and 2p-1-r), so that rank 0 holds both ends."""
+    pp = layout.pp
+    if layout.pipeline == "zero_bubble_v" and pp > 1:
+        split = stage_layers(layers, 2 * pp)
+        return split[rank] + split[2 * pp - 1 - rank], rank == 0, rank == 0
+    return stage_layers(layers, pp)[rank], rank == 0, rank == pp - 1
+
+
 def alive(layout: Layout, stage: int) -> int:
-    """Microbatches whose activations a stage holds at once (pipeline/schedule.py)."""
+    """Microbatches whose activations a pipeline rank holds at once (pipeline/schedule.py), in
+    units of the rank's whole share of the layers: "zero_bubble_v" holds up to 2 min(active, pp, m)
+    half-size stage-microbatches on every rank."""
     if layout.pipeline == "simple":
         return layout.microbatches
+    if layout.pipeline == "zero_bubble_v":
+        return min(layout.active, layout.pp, layout.microbatches)
     return min(layout.active, layout.pp - stage, layout.microbatches)
 
 
@@ -132,14 +148,15 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Run
 
 
 def stage_parameters(facts: ModelFacts, layout: Layout, stage: int) -> float:
-    """Parameters this stage's ranks hold each (tensor-parallel shards counted as shards)."""
-    tp, last = layout.tp, layout.pp - 1
-    n = stage_layers(facts.layers, layout.pp)[stage] * facts.layer.per_rank(tp)
-    if stage == 0:
+    """Parameters pipeline rank `stage`'s ranks hold each (tensor-parallel shards counted as shards)."""
+    tp = layout.tp
+    layers, first, last = held(layout, stage, facts.layers)
+    n = layers * facts.layer.per_rank(tp)
+    if first:
         n += facts.before.per_rank(tp)
-    if stage == last:
+    if last:
         n += facts.after.per_rank(tp)
-        if layout.pp > 1:
+        if not first:
             n += facts.tied.per_rank(tp)  # the shared weight's replica on the last stage
     return n
 
@@ -199,13 +216,13 @@ def _activation_terms(
 ) -> tuple[float, float, float, float]:
     """(saved activations, recompute working set, working memory, pipeline and TP buffers) of one
     stage, in bytes."""
-    elem, tp, last = (2 if layout.half else 4), layout.tp, layout.pp - 1
-    n_layers = stage_layers(facts.layers, layout.pp)[stage]
+    elem, tp = (2 if layout.half else 4), layout.tp
+    n_layers, first, last = held(layout, stage, facts.layers)
     per_layer = facts.saved_layer.per_rank(elem, tp)
     ends = 0.0
-    if stage == 0:
+    if first:
         ends += facts.saved_before.per_rank(elem, tp)
-    if stage == last:
+    if last:
         ends += facts.saved_after.per_rank(elem, tp)
     group = layout.checkpoint_group
     if group:
@@ -219,7 +236,7 @@ def _activation_terms(
     saved = per_mb * mb * n_alive
     boundary = mb * workload.seq_len * facts.hidden * elem  # one activation crossing a boundary
     working = 2 * boundary  # the gradient of a layer's output and of its input, in backward
-    if stage == last:
+    if last:
         logits = mb * facts.logits_elements / tp
         working += logits * elem * n_alive + logits * 4  # held logits; their fp32 gradient
     comm = 0.0

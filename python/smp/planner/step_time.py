@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from smp.planner.layout import Layout
-from smp.planner.memory import Workload, microbatch_size, stage_layers
+from smp.planner.memory import Workload, held, microbatch_size
 from smp.planner.model_facts import ModelFacts
 
 HALF_FLOPS = 125e12
@@ -58,7 +58,7 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
     elem = 2 if layout.half else 4
     mb = microbatch_size(layout, workload)
     tokens = mb * workload.seq_len
-    layers = max(stage_layers(facts.layers, layout.pp))
+    layers = max(held(layout, r, facts.layers)[0] for r in range(layout.pp))
     forward = tokens * (layers * facts.layer_flops_per_token + facts.head_flops_per_token / layout.pp)
     forward /= layout.tp
     recompute = tokens * layers * facts.layer_flops_per_token / layout.tp if layout.checkpoint_group else 0.0
@@ -86,5 +86,5 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
 
 
 def _stage_params(facts: ModelFacts, layout: Layout) -> float:
-    layers = max(stage_layers(facts.layers, layout.pp))
+    layers = max(held(layout, r, facts.layers)[0] for r in range(layout.pp))
     return layers * facts.layer.per_rank(layout.tp) + facts.before.per_rank(layout.tp)
