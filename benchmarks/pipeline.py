@@ -7,18 +7,21 @@ p processes (2 or 4), one pipeline of p stages. The contestants train their own 
 same GPT (tests/python/models.py, same seed, same batches):
 
   smp     smp.DistributedModel + @smp.step, automatic partition, the --schedule pipeline
-          ("interleaved" = 1F1B, "zero_bubble" = ZB-H1, "simple"); its default process group is
+          ("interleaved" = 1F1B, "zero_bubble" = ZB-H1, "zero_bubble_v" = ZB-V with 2 stages per
+          rank, "simple"); its default process group is
           "smp" (which wraps gloo).
   1f1b    torch.distributed.pipelining: PipelineStage + Schedule1F1B over a plain "gloo" group,
-          split between the same blocks as smp's partition. The stage modules are built by
+          split between the same blocks as smp's partition (against smp's zero_bubble_v, each
+          rank's two smp stages joined in one). The stage modules are built by
           hand: pipeline()'s tracer splits this model too, but it deep-copies the tied
           embedding/head weight into each stage and leaves summing their gradients to the user.
           Here the head holds its own copy and its gradient is summed with the embedding's
           after each step (what smp does for a parameter shared by two stages).
-  izb     ScheduleInterleavedZeroBubble, 2 stages per rank (stage i on rank i % p), the blocks
-          split evenly over the 2p stages (torch's zero-bubble schedules need several stages per
-          rank; smp's zero_bubble has one).
-  zbv     ScheduleZBVZeroBubble, 2 stages per rank in a V (rank r holds stages r and 2p-1-r).
+  izb     ScheduleInterleavedZeroBubble, 2 stages per rank (stage i on rank i % p), split where
+          smp's zero_bubble_v split its 2p stages, else the blocks split evenly over the 2p stages
+          (torch's zero-bubble schedules need several stages per rank; smp's zero_bubble has one).
+  zbv     ScheduleZBVZeroBubble, 2 stages per rank in a V (rank r holds stages r and 2p-1-r), split
+          as izb: the same stages on the same ranks as smp's zero_bubble_v.
   single  each process trains the whole model alone (no communication), the m microbatches one
           after the other: T1, the work of one pipeline step done serially, measured while the
           other cores are busy too, as in the pipelined runs.
@@ -83,10 +86,10 @@ class Chunk(nn.Module):
         return self.head(self.ln_f(x)) if self.last else x
 
 
-def stage_boundaries(plan, p: int) -> list[int]:
-    """The first block of each stage of smp's plan (p + 1 entries, the last = layers); fails if the
-    peer cannot reproduce the split."""
-    units = plan.stage_units
+def stage_boundaries(plan) -> list[int]:
+    """The first block of each stage of smp's plan (stages + 1 entries, the last = layers); fails if
+    the peer cannot reproduce the split."""
+    units, p = plan.stage_units, plan.num_stages
     if not {"tok", "pos"} <= set(units[0]) or not {"ln_f", "head"} <= set(units[p - 1]):
         sys.exit(f"smp put the embeddings or the head elsewhere than the peer can:\n{plan.report()}")
     blocks = [sorted(int(u.split(".")[1]) for u in us if u.startswith("blocks.")) for us in units]
@@ -139,12 +142,16 @@ def peer_stage_ids(rank: int, p: int, per_rank: int, placement: str) -> list[int
 
 
 def make_peer_step(gpt: GPT, name: str, bounds: list[int], microbatches: int, group):
-    """torch.distributed.pipelining's schedule `name` over `group`. One stage per rank: split where
-    smp split; more: the blocks split evenly (layers / stages each)."""
+    """torch.distributed.pipelining's schedule `name` over `group`, split where smp split (`bounds`)
+    when smp cut as many stages (smp's zero_bubble_v: 2 per rank); one stage per rank against smp's
+    2 per rank: each rank's two stages joined; 2 per rank against smp's one: the blocks split
+    evenly (layers / stages each)."""
     cls, per_rank, placement = PEERS[name]
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     n = p * per_rank
-    if per_rank > 1:
+    if len(bounds) - 1 == 2 * n:
+        bounds = bounds[::2]
+    elif len(bounds) - 1 != n:
         layers = bounds[-1]
         bounds = [round(i * layers / n) for i in range(n + 1)]
     ids = peer_stage_ids(rank, p, per_rank, placement)
@@ -224,7 +231,7 @@ def measure(args) -> dict | None:
     warm = [batch(-1 - i, args) for i in range(args.warmup)]
     for ids in warm:  # the first step partitions the model
         smp_run(ids)
-    bounds = stage_boundaries(smp_model.partition_plan, p)
+    bounds = stage_boundaries(smp_model.partition_plan)
     runs = {"smp": smp_run, "single": make_single_step(copies["single"], args.microbatches)}
     for name in args.peers:
         runs[name] = make_peer_step(copies[name], name, bounds, args.microbatches, gloo)
@@ -307,7 +314,7 @@ def report(r: dict) -> None:
         f"smp schedule {c['schedule']!r}"
     )
     print(r["partition"])
-    print(f"one-stage-per-rank peers split at smp's boundaries: blocks {r['bounds']}")
+    print(f"smp's stage boundaries (blocks), which peers with as many stages use: {r['bounds']}")
     print(f"{'step time':<48} {'median ms':>10} {'min ms':>8} {'efficiency':>10} {'page faults':>12}")
     for name, median in r["median_s"].items():
         eff = r["efficiency"].get(name)

@@ -170,7 +170,8 @@ def manual_partition(
         if not 0 <= s < num_stages:
             raise PartitionError(
                 f"module '{path}' is assigned to partition {s}, outside [0, {num_stages}); "
-                f"use a partition index below pipeline_parallel_degree={num_stages}"
+                f"use a partition index below the number of stages, {num_stages} (pipeline_parallel_degree, "
+                "twice it under the zero_bubble_v schedule)"
             )
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     stage: dict[str, int] = {}
@@ -184,7 +185,8 @@ def manual_partition(
     if empty:
         raise PartitionError(
             f"partition(s) {empty} received no operations of the model: assign modules to them with "
-            "`with smp.partition(i):` or smp.set_partition(module, i), or lower pipeline_parallel_degree"
+            "`with smp.partition(i):` or smp.set_partition(module, i), or lower pipeline_parallel_degree "
+            "(under zero_bubble_v every one of its 2 x pipeline_parallel_degree stages needs operations)"
         )
     return plan_from_assignment(gm, stage, num_stages, colocate_shared)
 

@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from smp.pipeline import schedule
+
 DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
 LAUNCHER_VAR = "SM_HP_MP_PARAMETERS"  # above it, as on SageMaker
 ENV_VARS = (DEFAULTS_VAR, LAUNCHER_VAR)
@@ -158,7 +160,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
-_CHOICES = {"pipeline": ("interleaved", "simple", "zero_bubble"), "optimize": ("speed", "memory")}
+_CHOICES = {"pipeline": schedule.SCHEDULES, "optimize": ("speed", "memory")}
 _POSITIVE_INTS = (
     "pipeline_parallel_degree",
     "tensor_parallel_degree",
@@ -380,10 +382,12 @@ def _check_combination(config: Config) -> Config:
             f"smp config: active_microbatches ({config.active_microbatches}) exceeds microbatches "
             f"({config.microbatches}); set active_microbatches <= microbatches"
         )
-    if config.default_partition >= pp:
+    stages = len(schedule.stage_ranks(config.pipeline, pp))
+    if config.default_partition >= stages:
+        counted = "pipeline_parallel_degree" if stages == pp else "the stages, 2 x pipeline_parallel_degree"
         raise ValueError(
             f"smp config: default_partition ({config.default_partition}) must be in [0, "
-            f"pipeline_parallel_degree) = [0, {pp}); set it to a stage index below {pp}"
+            f"{counted}) = [0, {stages}); set it to a stage index below {stages}"
         )
     if config.sharded_data_parallel_degree != 1:
         raise ValueError(

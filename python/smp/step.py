@@ -110,7 +110,7 @@ def step(
         pieces, batch_size = _split_arguments(bound, m, whole, axes)
         microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
         pp_rank, pp_size = parallel_state.pp_rank(), parallel_state.pp_size()
-        actions = schedule.stage_actions(
+        actions = schedule.rank_actions(
             st.config.pipeline, pp_rank, pp_size, m, st.config.num_active_microbatches
         )
         engine = st.model.engine if st.model is not None else None
@@ -128,12 +128,12 @@ def step(
                     began = timeline.now()
                 if action.kind == "W":
                     if engine is not None:
-                        engine.backward_weights(mb)
+                        engine.backward_weights(mb, action.stage)
                 else:
                     mb.resume()
                 if recorder is not None:
                     recorder.record(
-                        action.kind, began, timeline.now(), microbatch=action.microbatch, stage=pp_rank
+                        action.kind, began, timeline.now(), microbatch=action.microbatch, stage=action.stage
                     )
                 if action.kind == "F" and pp_size > 1 and mb.forward_calls == 0:
                     raise RuntimeError(
@@ -176,7 +176,8 @@ def _name_what_failed(error: BaseException, action, pp_rank: int) -> BaseExcepti
             "one of this rank's groups",
             error,
         )
-    where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {pp_rank}"
+    stage = action.stage if action is not None else pp_rank
+    where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {stage}"
     if action is not None:
         phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
         where += f", microbatch {action.microbatch} ({phase})"

@@ -77,7 +77,7 @@ def test_actions_follow_the_schedule(traces, name):
     }
     assert sorted(compute) == [0, 1]
     for stage, events in compute.items():
-        expected = [f"{a.kind}{a.microbatch}" for a in schedule.stage_actions(name, stage, 2, M, M)]
+        expected = [f"{a.kind}{a.microbatch}" for a in schedule.rank_actions(name, stage, 2, M, M)]
         for step in (1, 2):
             got = [e["name"] for e in events if e["args"]["step"] == step]
             assert got == expected, (name, stage, step)
@@ -157,14 +157,14 @@ def test_text_rendering():
             "stage 0: F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3",
             "stage 1: .  F0 F1 .  B0 F2 B1 F3 B2 .  B3",
             "stage 2: .  .  F0 B0 F1 B1 F2 B2 F3 B3",
-            "12 slots; idle 12 of 36 stage-slots (33%)",
+            "12 slots; idle 12 of 36 rank-slots (33%)",
         ]
     )
     assert schedule.render_text("interleaved", 3, 4, 4) == expected
     simple = schedule.render_text("simple", 2, 2, 2)
     assert (
         simple
-        == "stage 0: F0 F1 .  .  B0 B1\nstage 1: .  F0 F1 B0 B1\n6 slots; idle 4 of 12 stage-slots (33%)"
+        == "stage 0: F0 F1 .  .  B0 B1\nstage 1: .  F0 F1 B0 B1\n6 slots; idle 4 of 12 rank-slots (33%)"
     )
 
 

@@ -6,7 +6,9 @@ starts once each of its parameters has accumulated every microbatch's gradient).
 Buckets launch strictly in order, so every replica issues the same collectives.
 
 Shared parameters: a parameter replicated on several stages has its gradients
-summed over those stages, so every replica applies the same update.
+summed over those stages, so every replica applies the same update. Two stages of one rank
+("zero_bubble_v") read one tensor: its gradient accumulates once per microbatch per stage there,
+and its bucket waits for all of them.
 
 Mixed precision (fp32_accumulate): each microbatch's low-precision gradient is added
 into an fp32 buffer (smp.params.grad32) as soon as autograd produces it, and the
@@ -21,6 +23,7 @@ in place: no bucket is allocated, and nothing is copied in or out.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,8 +50,12 @@ class GradSync:
         shared: list[tuple[str, torch.nn.Parameter, dist.ProcessGroup]],
         bucket_cap_mb: float = 25,
         fp32_accumulate: bool = False,
+        stage_reads: Mapping[int, int] | None = None,
     ):
         self._all_params = params
+        # id(param) -> how many of this rank's stages read it, where more than one: the gradient
+        # accumulations per microbatch its bucket waits for.
+        self._stage_reads = dict(stage_reads or {})
         self._params = [p for p in params if p.requires_grad]
         self._fp32 = fp32_accumulate
         self._dp_group = dp_group
@@ -152,7 +159,8 @@ class GradSync:
             p.grad = None
         key = id(p)
         self._counts[key] = self._counts.get(key, 0) + 1
-        if not self._sync or self._counts[key] != self._expected or key not in self._bucket_of:
+        expected = self._expected * self._stage_reads.get(key, 1)
+        if not self._sync or self._counts[key] != expected or key not in self._bucket_of:
             return
         index = self._bucket_of[key]
         self._pending[index] += 1

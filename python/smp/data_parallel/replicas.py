@@ -55,24 +55,30 @@ def synchronize(
 
 
 def shared_groups(
-    gm: fx.GraphModule, plans: list[passes.PartitionPlan], groups: ParallelGroups
+    gm: fx.GraphModule,
+    plans: list[passes.PartitionPlan],
+    stage_ranks: tuple[int, ...],
+    groups: ParallelGroups,
 ) -> list[SharedParameter]:
-    """Process groups joining the copies of each parameter several stages hold (created on every
-    rank, in one order, for every pipeline); returns this stage's shared trainable parameters."""
-    sharing: dict[str, set[int]] = {}
+    """Process groups joining the copies of each parameter that stages on several pipeline ranks
+    hold (`stage_ranks`: each stage's pipeline rank; created on every rank, in one order, for every
+    pipeline); returns this rank's shared trainable parameters. Stages of one rank read one tensor,
+    whose gradients add up in place: they need no group."""
+    sharing: dict[str, set[int]] = {}  # parameter -> the pipeline ranks holding a copy
     for plan in plans:
         for name, stages in plan.shared_parameters.items():
-            sharing.setdefault(name, set()).update(stages)
-    by_stages: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for stages in sorted({tuple(sorted(s)) for s in sharing.values()}):
+            sharing.setdefault(name, set()).update(stage_ranks[s] for s in stages)
+    sharing = {name: holders for name, holders in sharing.items() if len(holders) > 1}
+    by_holders: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for holders in sorted({tuple(sorted(h)) for h in sharing.values()}):
         for ranks in groups.topology.all_groups(CommGroup.PP_GROUP):
-            members = [ranks[s] for s in stages]
+            members = [ranks[r] for r in holders]
             group = dist.new_group(members, backend=BACKEND_NAME)
             if groups.rank in members:
-                by_stages[stages] = group
+                by_holders[holders] = group
     shared = []
     params = dict(gm.named_parameters(remove_duplicate=False))
-    for name, stages in sorted(sharing.items()):
-        if groups.pp_rank in stages and params[name].requires_grad:
-            shared.append((name, params[name], by_stages[tuple(sorted(stages))]))
+    for name, holders in sorted(sharing.items()):
+        if groups.pp_rank in holders and params[name].requires_grad:
+            shared.append((name, params[name], by_holders[tuple(sorted(holders))]))
     return shared

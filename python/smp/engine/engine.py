@@ -35,7 +35,7 @@ from smp.parallel_state import ParallelGroups
 from smp.pipeline import schedule
 from smp.pipeline.activation_meter import SavedActivationMeter
 from smp.pipeline.microbatch import Microbatch
-from smp.pipeline.stage import StageRuntime
+from smp.pipeline.rank_runtime import RankRuntime
 from smp.tensor_parallel import inputs as tp_inputs
 
 
@@ -258,8 +258,8 @@ class Engine:
         if not self.partitioned:
             self._partition(args, kwargs, mb.batch_size, signature)
         mb.runtime = self._runtime(args, kwargs, mb.batch_size, signature)
-        with self._saving_for(mb):
-            pending = mb.runtime.forward(mb.index, args, kwargs)
+        # Each of this rank's stages is its own action: the microbatch pauses between them.
+        pending = mb.runtime.forward(mb.index, args, kwargs, mb.pause, lambda: self._saving_for(mb))
         if self._finite is not None:
             self._finite.activations(mb.index, mb.runtime.produced(mb.index))
         mb.pause()
@@ -287,7 +287,7 @@ class Engine:
         if self._offloader is not None:
             self._offloader.before_backward(mb.index)
         if self.captures:
-            mb.runtime.backward(mb.index, tensors, grads, defer_weights=self._defers_weights)
+            mb.runtime.backward(mb.index, tensors, grads, self._defers_weights, mb.pause)
             return
         roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if roots:
@@ -295,13 +295,14 @@ class Engine:
 
     @property
     def _defers_weights(self) -> bool:
-        return self.config.pipeline == "zero_bubble"
+        return self.config.pipeline in schedule.SPLIT_BACKWARD
 
-    def backward_weights(self, mb: Microbatch) -> None:
-        """zero_bubble's W action: microbatch mb's deferred weight gradients (nothing if its
-        backward did not defer them: no model.backward, or a model that runs whole)."""
+    def backward_weights(self, mb: Microbatch, stage: int) -> None:
+        """A split-backward schedule's W action: microbatch mb's deferred weight gradients on
+        `stage` (nothing if its backward did not defer them: no model.backward, or a model that
+        runs whole)."""
         if mb.runtime is not None and self._defers_weights:
-            mb.runtime.backward_weights(mb.index)
+            mb.runtime.backward_weights(mb.index, stage)
 
     # --- parallelization -----------------------------------------------------------------
 
@@ -352,6 +353,7 @@ class Engine:
             list(parallelized.shared),
             self._bucket_cap_mb,
             self.dtype is not None,
+            parallelized.stage_reads,
         )
         self._shared_groups = {id(p): group for _, p, group in parallelized.shared}
         self._trained = _requires_grad(self.module)
@@ -360,9 +362,9 @@ class Engine:
         for runtime in parallelized.runtimes.values():
             self._prepare(runtime)
 
-    def _prepare(self, runtime: StageRuntime) -> None:
-        """What the schedule asks of a new stage runtime (every signature's): the message path,
-        and for zero_bubble the rewrite that lets its weight gradients wait for W."""
+    def _prepare(self, runtime: RankRuntime) -> None:
+        """What the schedule asks of a new rank runtime (every signature's): the message path,
+        and for the split-backward schedules the rewrite that lets weight gradients wait for W."""
         if self.groups.pp_size > 1:
             slots = schedule.unit_time_slots(
                 self.config.pipeline,
@@ -374,7 +376,7 @@ class Engine:
         if self._defers_weights:
             runtime.defer_weight_gradients()
 
-    def _runtime(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> StageRuntime:
+    def _runtime(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> RankRuntime:
         """The stage runtime for the modules' train/eval modes and these inputs' signature,
         captured now (following the first partition) when the signature is new."""
         flags = training_flags(self.module)
@@ -395,7 +397,7 @@ class Engine:
             self._signatures.put(key, signature, runtime, seconds)
         return runtime
 
-    def _capture_signature(self, flags, args: tuple, kwargs: dict, batch_size: int | None) -> StageRuntime:
+    def _capture_signature(self, flags, args: tuple, kwargs: dict, batch_size: int | None) -> RankRuntime:
         self._tracing = True
         try:
             runtime = recapture.capture_signature(

@@ -22,9 +22,9 @@ from smp.data_parallel import replicas
 from smp.engine import compiled, delayed_init, recapture
 from smp.parallel_state import ParallelGroups
 from smp.passes.regions import Region
-from smp.pipeline import placement
+from smp.pipeline import placement, schedule
 from smp.pipeline.partitioning import module_partitions
-from smp.pipeline.stage import StageRuntime
+from smp.pipeline.rank_runtime import RankRuntime
 from smp.tensor_parallel.coverage import CoverageReport
 from smp.tensor_parallel.marks import marked_modules
 from smp.tensor_parallel.shard import shard_modes
@@ -36,11 +36,13 @@ class Parallelized:
 
     # The stage runtime per train/eval flags of the modules, for the first input signature (empty
     # when the module runs whole; the engine hands them to its signature cache and keeps none).
-    runtimes: Mapping[tuple[bool, ...], StageRuntime]
+    runtimes: Mapping[tuple[bool, ...], RankRuntime]
     # id(local shard) -> how it was cut from the full parameter.
     shard_specs: Mapping[int, passes.ShardSpec]
     # Parameters several stages hold, with the group joining their copies.
     shared: tuple[replicas.SharedParameter, ...]
+    # id(parameter) -> how many of this rank's stages read it, where more than one.
+    stage_reads: Mapping[int, int]
     # The group whose ranks average this rank's gradients (None: no other replica).
     grad_group: dist.ProcessGroup | None
     # The pipeline partition of the current mode (None when the module runs whole).
@@ -62,7 +64,7 @@ def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Pa
         module.to(device)
     tensors = list(module.parameters()) + list(module.buffers())
     grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
-    return Parallelized(runtimes={}, shard_specs={}, shared=(), grad_group=grad_group)
+    return Parallelized(runtimes={}, shard_specs={}, shared=(), stage_reads={}, grad_group=grad_group)
 
 
 def parallelize(
@@ -97,11 +99,13 @@ def parallelize(
     skeleton = recapture.Skeleton(module)  # before anything is freed or sharded
     retarget = device if delayed else None
     captured = _capture(module, args, kwargs, retarget)
+    stage_ranks = schedule.stage_ranks(config.pipeline, groups.pp_size)
+    own = schedule.rank_stages(config.pipeline, groups.pp_rank, groups.pp_size)
     plan = placement.plan_stages(
         captured,
         captured.flatten_inputs(args, kwargs),
         config,
-        groups.pp_size,
+        len(stage_ranks),
         module_partitions(module),
         trace_execution_times,
     )
@@ -121,33 +125,31 @@ def parallelize(
     plan = modes[training_flags(module)][1]
     pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
     plans = [p for _, p in modes.values()]
-    placement.keep_local(module, captured.graph_module, list(pipes.values()), plans, groups.pp_rank)
+    placement.keep_local(module, captured.graph_module, list(pipes.values()), plans, own)
     if delayed:
         specs, replaced = _materialize(module, specs, device, config.tensor_parallel_seed, groups)
         holders = [c.graph_module for c, _ in modes.values()]
         holders += [s.module for pipe in pipes.values() for s in pipe.stages if s.module is not None]
         for graph_module in holders:
             delayed_init.replace_in(graph_module, replaced)
-    report = _checkpoint_stages(
-        pipes, modes, list(checkpointing), offloader, groups.pp_rank, training_flags(module)
-    )
+    report = _checkpoint_stages(pipes, modes, list(checkpointing), offloader, own, training_flags(module))
     if config.compile is not None:
         for pipe in pipes.values():
-            own = pipe.stages[groups.pp_rank]
-            if own.module is not None:
-                own.module = compiled.compile_stage(own.module, config.compile)
-    shared = replicas.shared_groups(captured.graph_module, plans, groups)
+            for s in own:
+                if pipe.stages[s].module is not None:
+                    pipe.stages[s].module = compiled.compile_stage(pipe.stages[s].module, config.compile)
+    shared = replicas.shared_groups(captured.graph_module, plans, stage_ranks, groups)
     grad_group = replicas.synchronize(module, set(specs), shared, groups)
     runtimes = {
-        flags: StageRuntime(
-            pipe, groups.pp_rank, groups.pp, list(groups.pp_ranks), config.microbatches, device
+        flags: RankRuntime(
+            pipe, stage_ranks, groups.pp_rank, groups.pp, list(groups.pp_ranks), config.microbatches, device
         )
         for flags, pipe in pipes.items()
     }
     recipe = recapture.Recipe(
         skeleton,
         module_stages,
-        groups.pp_size,
+        stage_ranks,
         frozenset(marked),
         replicated,
         specs,
@@ -155,11 +157,22 @@ def parallelize(
         offloader,
         device,
     )
-    return Parallelized(runtimes, specs, tuple(shared), grad_group, plan, report, tp_coverage, recipe)
+    reads = _stage_reads(captured.graph_module, plan, own)
+    return Parallelized(runtimes, specs, tuple(shared), reads, grad_group, plan, report, tp_coverage, recipe)
 
 
-def _checkpoint_stages(pipes, modes, checkpointing, offloader, stage: int, current) -> str:
-    """Outlines the checkpointed regions on this rank's stage in every mode, and reports (for the
+def _stage_reads(gm, plan: passes.PartitionPlan, own: tuple[int, ...]) -> dict[int, int]:
+    """id(parameter) -> how many of the stages `own` read it, where more than one."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    reads: dict[int, int] = {}
+    for s in own:
+        for name in plan.stage_parameters[s]:
+            reads[id(params[name])] = reads.get(id(params[name]), 0) + 1
+    return {key: n for key, n in reads.items() if n > 1}
+
+
+def _checkpoint_stages(pipes, modes, checkpointing, offloader, own: tuple[int, ...], current) -> str:
+    """Outlines the checkpointed regions on this rank's stages in every mode, and reports (for the
     current mode) what it did: a region that spans stages is split at the boundary, each stage
     recomputing its own part as one region."""
     if not checkpointing:
@@ -174,12 +187,13 @@ def _checkpoint_stages(pipes, modes, checkpointing, offloader, stage: int, curre
                 f"smp checkpointing: region {region.label} spans stages {stages}: split at the boundary"
             )
     for flags, pipe in pipes.items():
-        module = pipe.stages[stage].module
-        labels = recompute.apply_to_stage(module, checkpointing, offloader) if module is not None else []
-        if flags == current:
-            lines.append(
-                f"smp checkpointing: stage {stage} recomputes {len(labels)} regions: {', '.join(labels)}"
-            )
+        for stage in own:
+            module = pipe.stages[stage].module
+            labels = recompute.apply_to_stage(module, checkpointing, offloader) if module is not None else []
+            if flags == current:
+                lines.append(
+                    f"smp checkpointing: stage {stage} recomputes {len(labels)} regions: {', '.join(labels)}"
+                )
     return "\n".join(lines)
 
 

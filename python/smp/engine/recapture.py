@@ -23,7 +23,7 @@ from smp.config import Config
 from smp.engine import compiled, delayed_init
 from smp.parallel_state import ParallelGroups
 from smp.passes.regions import Region
-from smp.pipeline.stage import StageRuntime
+from smp.pipeline.rank_runtime import RankRuntime
 from smp.tensor_parallel.shard import shard_following
 
 _TABLES = ("_parameters", "_buffers")
@@ -87,7 +87,7 @@ class Recipe:
     skeleton: Skeleton
     # Per mode, module path -> its stage (the modules the first partition kept on one stage).
     module_stages: Mapping[tuple[bool, ...], Mapping[str, int]]
-    num_stages: int
+    stage_ranks: tuple[int, ...]  # each stage's pipeline rank
     # Tensor parallelism: the marked modules, what stays replicated (and why), and the local
     # shards by id (ShardSpec per shard).
     marked: frozenset[str]
@@ -107,15 +107,15 @@ def capture_signature(
     batch_size: int | None,
     config: Config,
     groups: ParallelGroups,
-) -> StageRuntime:
-    """This rank's stage runtime for inputs of a new signature (module in the modes `flags`)."""
-    stage = groups.pp_rank
+) -> RankRuntime:
+    """This rank's runtime for inputs of a new signature (module in the modes `flags`)."""
+    own = [s for s, r in enumerate(recipe.stage_ranks) if r == groups.pp_rank]
     colocate = config.colocate_shared_parameters
     with recipe.skeleton.swapped_in():
         captured = passes.capture(module, *delayed_init.to_meta((tuple(args), dict(kwargs))))
     delayed_init.retarget(captured.graph_module, recipe.device)
     gm = captured.graph_module
-    plan = passes.follow_modules(gm, recipe.module_stages[flags], recipe.num_stages, colocate)
+    plan = passes.follow_modules(gm, recipe.module_stages[flags], len(recipe.stage_ranks), colocate)
     if groups.tp_size > 1:
         combined = None if config.prescaled_batch else batch_size * groups.tp_size
         plan = shard_following(
@@ -130,15 +130,22 @@ def capture_signature(
         )
     pipe = passes.split(captured, plan)
     for s in pipe.stages:
-        if s.index != stage:
+        if s.index not in own:
             s.module = None
-    stage_module = pipe.stages[stage].module
-    if stage_module is not None:
-        _make_real(stage_module, recipe.skeleton, stage)
-        recompute.apply_to_stage(stage_module, list(recipe.checkpointing), recipe.offloader)
+            continue
+        _make_real(s.module, recipe.skeleton, s.index)
+        recompute.apply_to_stage(s.module, list(recipe.checkpointing), recipe.offloader)
         if config.compile is not None:
-            pipe.stages[stage].module = compiled.compile_stage(stage_module, config.compile)
-    return StageRuntime(pipe, stage, groups.pp, list(groups.pp_ranks), config.microbatches, recipe.device)
+            s.module = compiled.compile_stage(s.module, config.compile)
+    return RankRuntime(
+        pipe,
+        recipe.stage_ranks,
+        groups.pp_rank,
+        groups.pp,
+        list(groups.pp_ranks),
+        config.microbatches,
+        recipe.device,
+    )
 
 
 def _shards(recipe: Recipe) -> dict[int, nn.Parameter]:

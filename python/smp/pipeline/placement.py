@@ -49,10 +49,10 @@ def keep_local(
     gm: fx.GraphModule,
     pipes: list[passes.PipelineGraph],
     plans: list[passes.PartitionPlan],
-    stage: int,
+    own: tuple[int, ...],
 ) -> None:
-    """Frees every parameter and buffer that this rank's stage does not use in any mode (stage 0
-    also keeps the ones no stage uses), and drops the other stages' graphs."""
+    """Frees every parameter and buffer that this rank's stages (`own`) do not use in any mode (the
+    rank of stage 0 also keeps the ones no stage uses), and drops the other stages' graphs."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     keep: set[int] = set()
     used: set[int] = set()
@@ -60,12 +60,12 @@ def keep_local(
         for s in pipe.stages:
             ids = {id(t) for t in attr_tensors(s.module)}
             used |= ids
-            if s.index == stage:
-                keep |= ids | {id(params[name]) for name in plan.stage_parameters[stage]}
+            if s.index in own:
+                keep |= ids | {id(params[name]) for name in plan.stage_parameters[s.index]}
     for owner in module.modules():
         for table in (owner._parameters, owner._buffers):
             for name, t in list(table.items()):
-                if t is None or id(t) in keep or (stage == 0 and id(t) not in used):
+                if t is None or id(t) in keep or (0 in own and id(t) not in used):
                     continue
                 if isinstance(t, nn.Parameter):
                     param_facts.mark_nonlocal(t)
@@ -73,7 +73,7 @@ def keep_local(
                 table[name] = None
     for pipe in pipes:
         for s in pipe.stages:
-            if s.index != stage:
+            if s.index not in own:
                 s.module = None
 
 

@@ -1,15 +1,23 @@
-"""Pipeline schedules as data: the order in which one stage runs microbatch forwards and backwards.
+"""Pipeline schedules as data: the order in which one pipeline rank runs microbatch forwards and
+backwards on its stage(s).
 
-An action is ("F", k), ("B", k) or ("W", k). F is the forward; B the backward (in "zero_bubble",
-only its input-gradient part, whose result goes upstream at once); W the weight-gradient part
-that "zero_bubble" splits from B and defers. Every stage runs forwards in microbatch order and
-backwards in microbatch order, B(k) after F(k) and W(k) after B(k); any such per-stage lists are
-deadlock-free together: sends never block, W neither sends nor waits for anything, and every
-other wait is for a message that an earlier action of another stage sends (F(k) on stage s waits
-for F(k) on s-1, B(k) for B(k) on s+1; order the actions of all stages by (kind, k) with every F
-before the B's of the same k: each wait is on an action earlier in that order, so some stage can
-always run its next action). The ordered message path (one tag, matched by posting order) keeps
-this: both ends derive their posting order from these same lists (smp.pipeline.message_order).
+An action is (kind, microbatch, stage), kind "F", "B" or "W". F is the forward; B the backward (in
+"zero_bubble" and "zero_bubble_v", only its input-gradient part, whose result goes upstream at
+once); W the weight-gradient part that those schedules split from B and defer. Every schedule
+but "zero_bubble_v" runs one stage per rank (stage r on rank r); "zero_bubble_v" runs two, in a V:
+rank r holds stages r and 2p-1-r, so the first rank also holds the last stage.
+
+Why the lists cannot deadlock. Sends never block, W neither sends nor waits for anything, and
+every other wait is for a message that an action of another stage sends (F(k) on stage s waits
+for F(k) on s-1, B(k) for B(k) on s+1). Every schedule's lists are checked by placing them in unit
+time (unit_time_slots: each action in the first slot after its rank's previous action and after
+the actions it waits for; the simulation raises if no rank can move), so each action waits only
+for actions of strictly earlier slots. Run with any real durations, a stuck pipeline would have
+every stuck rank waiting at an action whose awaited action sits on another stuck rank behind an
+action of a slot no later than its own, so strictly earlier than the waiter's: slots would fall
+forever along that chain, which a finite list cannot do. The ordered message path (one tag,
+matched by posting order) keeps this: both ends derive their posting order from these same slots
+(smp.pipeline.message_order).
 """
 
 from __future__ import annotations
@@ -17,18 +25,35 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-SCHEDULES = ("interleaved", "simple", "zero_bubble")
+SCHEDULES = ("interleaved", "simple", "zero_bubble", "zero_bubble_v")
+# Schedules whose backward is split into B and W.
+SPLIT_BACKWARD = ("zero_bubble", "zero_bubble_v")
 
 
 class Action(NamedTuple):
     kind: str  # "F", "B" or "W"
     microbatch: int
+    stage: int  # the pipeline stage it runs (a rank of "zero_bubble_v" runs two)
 
 
-def stage_actions(
-    schedule: str, stage: int, num_stages: int, microbatches: int, active_microbatches: int
+def stage_ranks(schedule: str, num_ranks: int) -> tuple[int, ...]:
+    """The pipeline rank of every stage: one stage per rank, or for "zero_bubble_v" (with more than
+    one rank) two in a V, rank r holding stages r and 2p-1-r. Stage r is on rank r either way."""
+    _check_schedule(schedule)
+    if schedule != "zero_bubble_v" or num_ranks == 1:
+        return tuple(range(num_ranks))
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+
+
+def rank_stages(schedule: str, rank: int, num_ranks: int) -> tuple[int, ...]:
+    """The stages `rank` runs, in pipeline order."""
+    return tuple(s for s, r in enumerate(stage_ranks(schedule, num_ranks)) if r == rank)
+
+
+def rank_actions(
+    schedule: str, rank: int, num_ranks: int, microbatches: int, active_microbatches: int
 ) -> list[Action]:
-    """The actions of `stage`.
+    """The actions of pipeline rank `rank`.
 
     simple: all forwards, then all backwards (GPipe): every microbatch's activations
     are alive at once.
@@ -41,25 +66,39 @@ def stage_actions(
     to its W; every stage holds at most as many as it holds under "interleaved", so no stage's
     peak is higher than interleaved's. What it gains is upstream stages getting gradients one
     W earlier per stage: 2(p-1) idle units instead of 1F1B's 3(p-1) (F = B = W = 1 unit).
+    zero_bubble_v: ZB-V (the same paper, section 6): the model cut into 2p stages, rank r running
+    stages r and 2p-1-r, each backward split into B and W as above. A rank holds at most
+    2 * min(active_microbatches, p, m) stage-microbatches (F done, W not); each stage being half
+    the size of a one-stage-per-rank stage, that is the activations the first rank holds under
+    "interleaved", on every rank. With F = B = W = 1 unit per half-size stage, a step takes 6m +
+    about one unit of idle time per rank (p = 2, m = 4: 25 slots against 1F1B's 30 of the same units).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"smp: unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}")
+    _check_schedule(schedule)
     if microbatches < 1 or active_microbatches < 1:
         raise ValueError(
             f"smp: microbatches ({microbatches}) and active_microbatches ({active_microbatches}) must be >= 1"
         )
-    forwards = [Action("F", k) for k in range(microbatches)]
-    backwards = [Action("B", k) for k in range(microbatches)]
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"smp: pipeline rank {rank} is outside [0, {num_ranks})")
+    if schedule == "zero_bubble_v" and num_ranks > 1:
+        return list(_zero_bubble_v(num_ranks, microbatches, active_microbatches)[rank])
+    forwards = [Action("F", k, rank) for k in range(microbatches)]
+    backwards = [Action("B", k, rank) for k in range(microbatches)]
     if schedule == "simple":
         return forwards + backwards
-    if schedule == "zero_bubble":
-        return list(_zero_bubble(num_stages, microbatches, active_microbatches)[stage])
-    in_flight = _in_flight_limit(stage, num_stages, microbatches, active_microbatches)
+    if schedule in SPLIT_BACKWARD:
+        return list(_zero_bubble(num_ranks, microbatches, active_microbatches)[rank])
+    in_flight = _in_flight_limit(rank, num_ranks, microbatches, active_microbatches)
     actions = forwards[:in_flight]
     for k in range(in_flight, microbatches):
         actions += [backwards[k - in_flight], forwards[k]]
     actions += backwards[microbatches - in_flight :]
     return actions
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"smp: unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}")
 
 
 def _in_flight_limit(stage: int, num_stages: int, microbatches: int, active_microbatches: int) -> int:
@@ -68,104 +107,179 @@ def _in_flight_limit(stage: int, num_stages: int, microbatches: int, active_micr
 
 @functools.lru_cache(maxsize=64)
 def _zero_bubble(num_stages: int, microbatches: int, active: int) -> tuple[tuple[Action, ...], ...]:
-    """Every stage's ZB-H1 actions, placed greedily in unit time (F, B and W one slot each): in each
-    slot a stage runs its next B if the gradient it needs has arrived, else its next F if that
-    one's input has arrived and fewer microbatches than interleaved's in-flight limit for the
-    stage hold activations (F done, W not), else its oldest pending W. The lists are the result; the runtime
-    then runs them in this order whatever the real durations are."""
+    """Every stage's ZB-H1 actions (_greedy with one stage per rank and interleaved's in-flight
+    limit per stage)."""
     # Each stage holds at most the microbatches it holds under 1F1B, so its peak is no higher
     # than 1F1B's on every stage. (ZB-H1 in the paper lets later stages hold as many as the first,
     # bounding only the largest stage's count; with a last stage whose activations per microbatch
     # are larger (the logits), that raised the pipeline's peak, measured, above 1F1B's.)
-    limits = [_in_flight_limit(s, num_stages, microbatches, active) for s in range(num_stages)]
-    done_f, done_b, done_w = [0] * num_stages, [0] * num_stages, [0] * num_stages
-    finished: dict[tuple[str, int, int], int] = {}
-    actions: list[list[Action]] = [[] for _ in range(num_stages)]
-    t = 0
-    while any(w < microbatches for w in done_w):
-        ran = []
-        for s in range(num_stages):
-            k = done_b[s]
-            if k < done_f[s] and (s == num_stages - 1 or finished.get(("B", k, s + 1), t) < t):
-                ran.append((s, Action("B", k)))
-                continue
-            k = done_f[s]
-            if (
-                k < microbatches
-                and done_f[s] - done_w[s] < limits[s]
-                and (s == 0 or finished.get(("F", k, s - 1), t) < t)
-            ):
-                ran.append((s, Action("F", k)))
-            elif done_w[s] < done_b[s]:
-                ran.append((s, Action("W", done_w[s])))
-        for s, action in ran:
-            finished[(action.kind, action.microbatch, s)] = t
-            actions[s].append(action)
-            counts = {"F": done_f, "B": done_b, "W": done_w}[action.kind]
-            counts[s] += 1
-        t += 1
-    return tuple(tuple(a) for a in actions)
+    limits = tuple(_in_flight_limit(s, num_stages, microbatches, active) for s in range(num_stages))
+    return _greedy(tuple((s,) for s in range(num_stages)), microbatches, limits)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_v(num_ranks: int, microbatches: int, active: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's ZB-V actions (_greedy over the V placement). The limit counts stage-
+    microbatches, two per microbatch of a one-stage-per-rank pipeline (see rank_actions)."""
+    last = 2 * num_ranks - 1
+    held = tuple((r, last - r) for r in range(num_ranks))
+    limit = 2 * min(active, num_ranks, microbatches)
+    return _greedy(held, microbatches, (limit,) * num_ranks)
+
+
+# The orders of preference _greedy tries: B first keeps gradients flowing upstream; F first
+# starts microbatches sooner (better where the limit still allows it); W first frees memory.
+_PREFERENCES = ("BFW", "FBW", "BWF")
+
+
+def _greedy(
+    held: tuple[tuple[int, ...], ...], microbatches: int, limits: tuple[int, ...]
+) -> tuple[tuple[Action, ...], ...]:
+    """The shortest of _place's schedules over the orders of preference in _PREFERENCES (the first
+    of equally short ones)."""
+    best = min((_place(held, microbatches, limits, order) for order in _PREFERENCES), key=lambda r: r[1])
+    return best[0]
+
+
+def _place(
+    held: tuple[tuple[int, ...], ...], microbatches: int, limits: tuple[int, ...], order: str
+) -> tuple[tuple[tuple[Action, ...], ...], float]:
+    """Actions placed greedily in time for ranks holding the stages `held` (a stage's index is its
+    place in the pipeline), each rank in turn from the earliest free one, and the time they take.
+    A rank that is free runs the first kind in `order` it can: a B whose gradient has arrived; an
+    F whose input has arrived while the rank holds fewer than its limit of stage-microbatches (F
+    done, W not; a rank holding several stages keeps a place for each later stage's F, so that a
+    microbatch it has started can always go on); its oldest pending W; the oldest microbatch
+    first, then the later stage (which brings a microbatch to its loss sooner). If none can run,
+    it waits for the next action to end.
+
+    F, B and W take one unit each, except on the first stage: it receives no values and so sends no
+    gradient, its B does nothing and its W is its whole backward (smp.pipeline.split_backward), two
+    units. The lists are the result; the runtime then runs them in this order whatever the real
+    durations are."""
+    last = max(max(stages) for stages in held)
+    done = {kind: [0] * (last + 1) for kind in "FBW"}
+    finished: dict[tuple[str, int, int], float] = {}  # (kind, k, stage) -> when it ends
+    actions: list[list[Action]] = [[] for _ in held]
+    free = [0.0] * len(held)  # when each rank can start its next action
+    total = 3 * microbatches * sum(len(stages) for stages in held)
+
+    def arrived(kind: str, k: int, s: int, t: float) -> bool:  # what (kind, k) on s waits for is done
+        needed = ("F", k, s - 1) if kind == "F" and s > 0 else ("B", k, s + 1) if kind == "B" else None
+        if kind == "B" and s == last:
+            needed = None
+        return needed is None or finished.get(needed, t + 1) <= t
+
+    def duration(action: Action) -> float:
+        if action.stage == 0 and action.kind != "F":
+            return 0.0 if action.kind == "B" else 2.0
+        return 1.0
+
+    def choose(rank: int, t: float) -> Action | None:
+        stages = sorted(held[rank], reverse=True)  # the later stage first
+        holding = sum(done["F"][s] - done["W"][s] for s in stages)
+        ready = {
+            "B": [
+                Action("B", done["B"][s], s)
+                for s in stages
+                if done["B"][s] < done["F"][s] and arrived("B", done["B"][s], s, t)
+            ],
+            "F": [
+                Action("F", done["F"][s], s)
+                for i, s in enumerate(stages)  # i: this rank's stages after s, each kept a place
+                if done["F"][s] < microbatches
+                and holding + i < limits[rank]
+                and arrived("F", done["F"][s], s, t)
+            ],
+            "W": [Action("W", done["W"][s], s) for s in stages if done["W"][s] < done["B"][s]],
+        }
+        return next((min(ready[kind], key=lambda a: a.microbatch) for kind in order if ready[kind]), None)
+
+    while len(finished) < total:
+        busy = [r for r in range(len(held)) if len(actions[r]) < 3 * microbatches * len(held[r])]
+        t = min(free[r] for r in busy)
+        for rank in (r for r in busy if free[r] == t):
+            choice = choose(rank, t)
+            if choice is not None:
+                finished[(choice.kind, choice.microbatch, choice.stage)] = free[rank] = t + duration(choice)
+                actions[rank].append(choice)
+                done[choice.kind][choice.stage] += 1
+                break
+        else:  # no rank free now can run anything: they wait for the next end or start
+            later = [end for end in finished.values() if end > t] + [free[r] for r in busy if free[r] > t]
+            if not later:
+                raise RuntimeError(f"smp: the greedy schedule for stages {held} deadlocks at time {t}")
+            for r in busy:
+                free[r] = max(free[r], min(later))
+    return tuple(tuple(a) for a in actions), max(finished.values())
 
 
 def unit_time_slots(
-    schedule: str, num_stages: int, microbatches: int, active_microbatches: int
+    schedule: str, num_ranks: int, microbatches: int, active_microbatches: int
 ) -> list[list[Action | None]]:
-    """Each stage's actions placed in time slots, every action one slot long: an action runs in
+    """Each rank's actions placed in time slots, every action one slot long: an action runs in
     the first slot after what it waits for (the previous stage's F k, the next stage's B k) and
-    this stage's previous action. None is an idle slot (a bubble)."""
-    todo = [
-        stage_actions(schedule, s, num_stages, microbatches, active_microbatches) for s in range(num_stages)
-    ]
+    this rank's previous action. None is an idle slot (a bubble)."""
+    last = len(stage_ranks(schedule, num_ranks)) - 1
+    todo = [rank_actions(schedule, r, num_ranks, microbatches, active_microbatches) for r in range(num_ranks)]
     finished: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, stage) -> slot
-    slots: list[list[Action | None]] = [[] for _ in range(num_stages)]
+    slots: list[list[Action | None]] = [[] for _ in range(num_ranks)]
+    ran_count = [0] * num_ranks
     t = 0
-    while any(len(done) < len(actions) for done, actions in zip(_ran(slots), todo, strict=True)):
+    while any(n < len(actions) for n, actions in zip(ran_count, todo, strict=True)):
         ran = []
-        for s, actions in enumerate(todo):
-            n = len(_ran(slots)[s])
+        for r, actions in enumerate(todo):
+            n = ran_count[r]
             action = actions[n] if n < len(actions) else None
-            ready = action is not None and _inputs_ready(action, s, num_stages, finished, t)
-            slots[s].append(action if ready else None)
+            ready = action is not None and _inputs_ready(action, last, finished, t)
+            slots[r].append(action if ready else None)
             if ready:
-                ran.append((s, action))
-        if not ran:  # cannot happen for the schedules above; guards a future one
+                ran.append(action)
+                ran_count[r] += 1
+        if not ran:
             raise RuntimeError(f"smp: schedule {schedule!r} deadlocks at slot {t}")
-        for s, action in ran:
-            finished[(action.kind, action.microbatch, s)] = t
+        for action in ran:
+            finished[(action.kind, action.microbatch, action.stage)] = t
         t += 1
-    for row in slots:  # a stage that is done is not idle
+    for row in slots:  # a rank that is done is not idle
         while row and row[-1] is None:
             row.pop()
     return slots
 
 
-def _ran(slots: list[list[Action | None]]) -> list[list[Action]]:
-    return [[a for a in row if a is not None] for row in slots]
-
-
-def _inputs_ready(action: Action, stage: int, num_stages: int, finished: dict, t: int) -> bool:
+def _inputs_ready(action: Action, last_stage: int, finished: dict, t: int) -> bool:
+    s = action.stage
     if action.kind == "F":
-        needed = ("F", action.microbatch, stage - 1) if stage > 0 else None
+        needed = ("F", action.microbatch, s - 1) if s > 0 else None
     elif action.kind == "W":
         needed = None  # after this stage's own B, which ran earlier in its list
     else:
-        needed = ("B", action.microbatch, stage + 1) if stage < num_stages - 1 else None
+        needed = ("B", action.microbatch, s + 1) if s < last_stage else None
     return needed is None or finished.get(needed, t) < t
 
 
-def render_text(schedule: str, num_stages: int, microbatches: int, active_microbatches: int) -> str:
-    """The unit-time timeline as text: one row per stage, "F3"/"B3"/"W3" per slot, "." when idle."""
-    slots = unit_time_slots(schedule, num_stages, microbatches, active_microbatches)
+def render_text(schedule: str, num_ranks: int, microbatches: int, active_microbatches: int) -> str:
+    """The unit-time timeline as text: one row per rank, "F3"/"B3"/"W3" per slot, "." when idle.
+    Where a rank runs two stages, the later one's actions are lower case ("f3", "b3", "w3")."""
+    slots = unit_time_slots(schedule, num_ranks, microbatches, active_microbatches)
+    ranks = stage_ranks(schedule, num_ranks)
+    two = len(ranks) > num_ranks
     width = len(f"B{microbatches - 1}")
     length = max(len(row) for row in slots)
     lines = []
-    for s, row in enumerate(slots):
-        cells = [f"{a.kind}{a.microbatch}" if a is not None else "." for a in row]
-        lines.append(f"stage {s}: " + " ".join(c.ljust(width) for c in cells).rstrip())
+    for r, row in enumerate(slots):
+        cells = [_cell(a, two and a.stage >= num_ranks) if a is not None else "." for a in row]
+        label = f"rank {r} (stages {', '.join(map(str, rank_stages(schedule, r, num_ranks)))})"
+        lines.append(f"{label if two else f'stage {r}'}: " + " ".join(c.ljust(width) for c in cells).rstrip())
     busy = sum(a is not None for row in slots for a in row)
-    total = num_stages * length
-    lines.append(f"{length} slots; idle {total - busy} of {total} stage-slots ({(total - busy) / total:.0%})")
+    total = num_ranks * length
+    lines.append(f"{length} slots; idle {total - busy} of {total} rank-slots ({(total - busy) / total:.0%})")
     return "\n".join(lines)
+
+
+def _cell(action: Action, lower: bool) -> str:
+    kind = action.kind.lower() if lower else action.kind
+    return f"{kind}{action.microbatch}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m smp.pipeline",
         description="Print a pipeline schedule's timeline (every action one time slot).",
     )
-    p.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     p.add_argument("--active", type=int, default=None, help="active_microbatches (default: min(pp + 2, m))")

@@ -1,8 +1,10 @@
-"""One rank's part of a pipeline: its stage module, and the activations and gradients it
-exchanges with the other stages of its pipeline group, one microbatch at a time.
+"""One pipeline stage of this rank: its stage module, and the activations and gradients it
+exchanges with the other stages, one microbatch at a time. A rank runs one stage, or two under
+"zero_bubble_v" (smp.pipeline.rank_runtime joins them).
 
 Messages are point-to-point on the pipeline group. Shapes and dtypes come from the
-capture; no message carries metadata and no stage waits on a shape. Two paths:
+capture; no message carries metadata and no stage waits on a shape. Between two stages of one
+rank a message is handed over in memory. Between ranks, two paths:
 
 - tagged (the default for CPU tensors): each message tagged by (kind, microbatch,
   value), so it matches whatever order the stages post them in; CUDA tensors are
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
@@ -27,8 +28,33 @@ from smp import faults
 from smp.passes import PipelineGraph, Value
 from smp.pipeline import activation_meter, message_order, split_backward, timeline
 
-_ACTIVATION, _OUTPUT, _GRADIENT = range(3)
+_ACTIVATION, _OUTPUT, _GRADIENT = message_order.ACTIVATION, message_order.OUTPUT, message_order.GRADIENT
 _KIND_NAMES = ("activation", "output", "gradient")
+
+
+@dataclasses.dataclass
+class Links:
+    """How one rank's stages reach every stage: the pipeline group, each pipeline rank's global
+    rank, each stage's pipeline rank, the messages in flight between this rank's own stages,
+    and the ordered path once chosen (shared by the rank's stages: the order is per pair of ranks)."""
+
+    group: dist.ProcessGroup
+    group_ranks: list[int]  # pipeline rank -> global rank
+    stage_ranks: tuple[int, ...]  # stage -> pipeline rank
+    rank: int  # this rank's pipeline rank
+    microbatches: int
+    device: torch.device
+    local: dict[message_order.Message, torch.Tensor] = dataclasses.field(default_factory=dict)
+    ordered: message_order.OrderedChannels | None = None
+
+    def is_local(self, stage: int) -> bool:
+        return self.stage_ranks[stage] == self.rank
+
+    def global_rank(self, stage: int) -> int:
+        return self.group_ranks[self.stage_ranks[stage]]
+
+    def group_name(self) -> str:
+        return faults.describe_group("pipeline", self.group_ranks)
 
 
 class _Incoming:
@@ -69,7 +95,20 @@ class _OrderedWork:
         return self._channels.wait(self._msg)
 
 
-_warned_host_staging: list[bool] = []  # a CUDA pipeline on the tagged path says so once
+class _Handed:
+    """A message from another stage of this rank: already computed (the schedule runs its sender
+    first), taken from memory on wait()."""
+
+    def __init__(self, links: Links, msg: message_order.Message):
+        self._links, self._msg = links, msg
+
+    def wait(self) -> torch.Tensor:
+        if self._msg not in self._links.local:
+            raise RuntimeError(
+                f"smp: pipeline stage {self._msg.dst} needs {self._msg} from stage {self._msg.src} of the "
+                "same rank before that stage computed it: the schedule's order is broken (a bug in smp)"
+            )
+        return self._links.local.pop(self._msg).detach()  # a leaf of its own for the receiver
 
 
 @dataclasses.dataclass
@@ -78,72 +117,21 @@ class _InFlight:
     produced: dict[str, torch.Tensor]
 
 
-class PendingOutputs:
-    """The model's return value for one microbatch; outputs of other stages arrive by wait().
-
-    Those copies do not require grad: their gradient flows on the stage that computed them,
-    so a loss computed from them here needs no backward.
-    """
-
-    def __init__(self, pipe: PipelineGraph, leaves: list[Any], incoming: list[tuple[int, _Incoming]]):
-        self._pipe, self._leaves, self._incoming = pipe, leaves, incoming
-
-    def wait(self) -> Any:
-        for position, message in self._incoming:
-            self._leaves[position] = message.wait()
-        return self._pipe.unflatten_outputs(self._leaves)
-
-
 class StageRuntime:
-    def __init__(
-        self,
-        pipe: PipelineGraph,
-        stage: int,
-        group: dist.ProcessGroup,
-        group_ranks: list[int],
-        microbatches: int,
-        device: torch.device,
-    ):
+    def __init__(self, pipe: PipelineGraph, stage: int, links: Links):
         self.pipe = pipe
         self.stage = pipe.stages[stage]
         self.index = stage
-        self._group = group
-        self._ranks = group_ranks
-        self._microbatches = microbatches
-        self._device = device
+        self._links = links
         self._value_id = {name: i for i, name in enumerate(sorted(pipe.values))}
         self._sends: list[dist.Work] = []
         self._in_flight: dict[int, _InFlight] = {}
         self._deferred: dict[int, split_backward.WeightGradients] = {}
         self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
         self._deferrable: set[int] | None = None  # zero_bubble: ids of the weights W computes
-        self._ordered: message_order.OrderedChannels | None = None
-        self._input_meta = [
-            (i, n.meta["val"].shape, n.meta["val"].dtype)
-            for i, n in enumerate(n for n in _placeholders(pipe))
-            if isinstance(n.meta.get("val"), torch.Tensor)
-        ]
         self.meter: activation_meter.SavedActivationMeter | None = None
         self._timeline = timeline.recorder()
         self._sending = timeline.Pending(self._timeline) if self._timeline is not None else None
-
-    def order_messages(self, ordered: bool | None, slots) -> None:
-        """Chooses the message path (None: ordered for CUDA tensors, tagged for CPU ones); `slots`
-        is the schedule's unit_time_slots, from which the ordered path derives its order."""
-        if ordered is None:
-            ordered = self._device.type == "cuda"
-        if ordered:
-            self._ordered = message_order.OrderedChannels(
-                self.pipe, self.index, self._ranks, self._group, self._device, slots
-            )
-        elif self._device.type == "cuda" and not _warned_host_staging:
-            _warned_host_staging.append(True)
-            warnings.warn(
-                "smp: pipeline activations on CUDA are staged through host memory and sent over Gloo "
-                "(ordered_messages is false); set it to true (or leave it unset) to send them GPU to "
-                "GPU over NCCL",
-                stacklevel=2,
-            )
 
     def defer_weight_gradients(self) -> None:
         """For zero_bubble: rewrites the stage graph so that its backward can leave the linear
@@ -158,11 +146,10 @@ class StageRuntime:
 
     # --- forward ------------------------------------------------------------
 
-    def forward(self, k: int, args: tuple, kwargs: dict) -> PendingOutputs:
-        flat = self.pipe.captured.flatten_inputs(args, kwargs)
-        self._check_inputs(flat)
-        if self._ordered is not None and not self._ordered.started:
-            self._ordered.start(with_gradients=torch.is_grad_enabled())
+    def forward(self, k: int, flat: list[Any]) -> dict[str, torch.Tensor]:
+        """Microbatch k's forward of this stage on the flat model inputs `flat`: receives what
+        earlier stages computed, sends what later stages (and, for model outputs, every other
+        rank) read; returns the values it computed."""
         values = self.pipe.values
         incoming = {
             name: self._recv(values[name], values[name].src, _ACTIVATION, k) for name in self.stage.received
@@ -183,6 +170,7 @@ class StageRuntime:
                 scope.enter_context(split_backward.collecting(self._deferred[k]))
             results = self.stage.module(*stage_inputs)
         produced = dict(zip(self.stage.produced, results, strict=True))
+        links = self._links
         for name, tensor in produced.items():
             value = values[name]
             _check_sendable(name, tensor, self.index)
@@ -190,46 +178,35 @@ class StageRuntime:
             for dst in value.consumers:
                 self._send(data, dst, _ACTIVATION, k, name)
             if value.is_output:
-                for dst in range(len(self._ranks)):
-                    if dst != self.index:
-                        self._send(data, dst, _OUTPUT, k, name)
-        leaves, outputs, incoming = [], [], {}
-        for position, leaf in enumerate(self.pipe.outputs):
-            if leaf.kind == "const":
-                leaves.append(leaf.ref)
-            elif leaf.kind == "input":
-                leaves.append(flat[leaf.ref])
-            elif values[leaf.ref].src == self.index:
-                leaves.append(produced[leaf.ref])
-            else:
-                value = values[leaf.ref]
-                leaves.append(None)
-                if leaf.ref not in incoming:  # a value returned twice arrives once
-                    incoming[leaf.ref] = self._recv(value, value.src, _OUTPUT, k)
-                outputs.append((position, incoming[leaf.ref]))
-        if self._ordered is not None:
-            self._flush_ordered(k)
+                for r in range(len(links.group_ranks)):
+                    if r != links.rank:
+                        self._send(data, r, _OUTPUT, k, name)  # to rank r's stage r
+        self._flush_ordered(k)
         self._in_flight[k] = _InFlight(received, produced)
-        return PendingOutputs(self.pipe, leaves, outputs)
+        return produced
+
+    def receive_output(self, value: Value, k: int):
+        """A model output of microbatch k that another rank computes (this must be the rank's stage
+        of the rank's own index, which every rank's outputs are addressed to); wait() gives it."""
+        return self._recv(value, value.src, _OUTPUT, k)
 
     # --- backward -----------------------------------------------------------
 
     def backward(
         self,
         k: int,
-        tensors: list[torch.Tensor],
-        grads: list[torch.Tensor | None],
+        roots: list[tuple[torch.Tensor, torch.Tensor]],
         defer_weights: bool = False,
+        also: list[torch.Tensor] = (),
     ) -> None:
-        """Backward of microbatch k from the user's loss(es) and the gradients later stages send;
-        with defer_weights, only the input gradients (backward_weights(k) does the rest)."""
+        """Backward of microbatch k from `roots` (tensors and their gradients: the user's loss, or
+        outputs of this stage a later stage of this rank saw the loss's gradient of) and the
+        gradients later stages send; with defer_weights, only the input gradients
+        (backward_weights(k) does the rest). `also`: leaves whose gradients this pass must
+        accumulate too (outputs of an earlier stage of this rank that the loss read)."""
         state = self._in_flight.pop(k)
         values = self.pipe.values
-        roots, root_grads = [], []
-        for t, g in zip(tensors, grads, strict=True):
-            if t.requires_grad:
-                roots.append(t)
-                root_grads.append(g)
+        roots = [(t, g) for t, g in roots if t.requires_grad]
         incoming = [
             (name, self._recv(values[name], src, _GRADIENT, k))
             for name in self.stage.produced
@@ -243,31 +220,32 @@ class StageRuntime:
         for name, grad in summed.items():
             tensor = state.produced[name]
             if tensor.requires_grad:
-                roots.append(tensor)
-                root_grads.append(grad)
+                roots.append((tensor, grad))
         leaves = [state.received[name] for name in self.stage.received]
+        tensors, grads = [t for t, _ in roots], [g for _, g in roots]
         if defer_weights:  # zero_bubble's B: input gradients now, weight gradients at W
             store = self._deferred.setdefault(k, split_backward.WeightGradients(self.meter))
             now = [w for w in self._weights if id(w) not in (self._deferrable or ())]
-            input_grads = split_backward.backward_inputs(roots, root_grads, leaves, now, store)
+            input_grads = split_backward.backward_inputs(tensors, grads, leaves + list(also), now, store)
         else:
-            if roots:
-                torch.autograd.backward(roots, root_grads)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
             input_grads = [leaf.grad for leaf in leaves]
-        for name, leaf, grad in zip(self.stage.received, leaves, input_grads, strict=True):
+        for name, leaf, grad in zip(self.stage.received, leaves, input_grads[: len(leaves)], strict=True):
             value = values[name]
             if value.requires_grad:
                 grad = grad if grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
-        if self._ordered is not None:
-            self._flush_ordered(k)
+        self._flush_ordered(k)
 
     def _flush_ordered(self, k: int) -> None:
         """Posts the ordered path's groups that this action's sends complete."""
+        if self._links.ordered is None:
+            return
         with faults.waiting(
-            f"pipeline stage {self.index} posting the messages of microbatch {k}", self._group_name()
+            f"pipeline stage {self.index} posting the messages of microbatch {k}", self._links.group_name()
         ):
-            self._ordered.flush()
+            self._links.ordered.flush()
 
     def backward_weights(self, k: int) -> None:
         """zero_bubble's W: the weight gradients microbatch k's backward deferred (if any)."""
@@ -282,9 +260,7 @@ class StageRuntime:
     def finish_step(self) -> None:
         if self._sending is not None:
             self._sending.poll()
-        if self._ordered is not None:
-            self._sends += self._ordered.finish_step()
-        with faults.waiting(f"pipeline stage {self.index} completing its sends", self._group_name()):
+        with faults.waiting(f"pipeline stage {self.index} completing its sends", self._links.group_name()):
             for work in self._sends:
                 work.wait()
         if self._sending is not None:
@@ -296,43 +272,52 @@ class StageRuntime:
     # --- messages -----------------------------------------------------------
 
     def _tag(self, kind: int, k: int, name: str) -> int:
-        return (kind * self._microbatches + k) * len(self._value_id) + self._value_id[name]
+        return (kind * self._links.microbatches + k) * len(self._value_id) + self._value_id[name]
 
     def _send(self, tensor: torch.Tensor, dst_stage: int, kind: int, k: int, name: str) -> None:
-        if self._ordered is not None:  # posted with its group at the action's end (flush)
-            self._ordered.send(message_order.Message(self.index, dst_stage, kind, k, name), tensor)
+        links = self._links
+        msg = message_order.Message(self.index, dst_stage, kind, k, name)
+        if links.is_local(dst_stage):  # another stage of this rank: handed over in memory
+            links.local[msg] = tensor
+            return
+        if links.ordered is not None:  # posted with its group at the action's end (flush)
+            links.ordered.send(msg, tensor)
             return
         tag = self._tag(kind, k, name)
         timed = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if timed else 0
         # Posting fails at once if the peer has already gone (its connection closed): named too.
         what = f"pipeline stage {self.index} sending {_KIND_NAMES[kind]} {name!r} of microbatch {k}"
-        with faults.waiting(f"{what} to stage {dst_stage}", self._group_name(), self._ranks[dst_stage]):
-            work = dist.isend(tensor.cpu(), dst=self._ranks[dst_stage], group=self._group, tag=tag)
+        peer = links.global_rank(dst_stage)
+        with faults.waiting(f"{what} to stage {dst_stage}", links.group_name(), peer):
+            work = dist.isend(tensor.cpu(), dst=peer, group=links.group, tag=tag)
         self._sends.append(work)
         if timed:
             self._sending.poll()
             fields = self._message_fields(dst_stage, kind, k, name, tag, tensor)
             self._sending.add(work, "send", posted, **fields)
 
-    def _recv(self, value: Value, src_stage: int, kind: int, k: int) -> _Incoming:
+    def _recv(self, value: Value, src_stage: int, kind: int, k: int):
+        links = self._links
+        msg = message_order.Message(src_stage, self.index, kind, k, value.name)
+        if links.is_local(src_stage):
+            return _Handed(links, msg)
         what = f"pipeline stage {self.index} receiving {_KIND_NAMES[kind]} {value.name!r} of microbatch {k}"
-        context = (f"{what} from stage {src_stage}", self._group_name(), self._ranks[src_stage])
-        if self._ordered is not None:  # posted when its group's turn comes (at the latest on wait)
-            msg = message_order.Message(src_stage, self.index, kind, k, value.name)
-            return _Incoming(None, _OrderedWork(self._ordered, msg), self._device, context)
+        context = (f"{what} from stage {src_stage}", links.group_name(), links.global_rank(src_stage))
+        if links.ordered is not None:  # posted when its group's turn comes (at the latest on wait)
+            return _Incoming(None, _OrderedWork(links.ordered, msg), links.device, context)
         buffer = torch.empty(value.shape, dtype=value.dtype)
         tag = self._tag(kind, k, value.name)
         recording = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if recording else 0
         with faults.waiting(*context):
-            work = dist.irecv(buffer, src=self._ranks[src_stage], group=self._group, tag=tag)
+            work = dist.irecv(buffer, src=links.global_rank(src_stage), group=links.group, tag=tag)
         timed = None
         if recording:
             self._sending.poll()
             fields = self._message_fields(src_stage, kind, k, value.name, tag, buffer)
             timed = (self._timeline, posted, fields)
-        return _Incoming(buffer, work, self._device, context, timed)
+        return _Incoming(buffer, work, links.device, context, timed)
 
     def _message_fields(self, peer: int, kind: int, k: int, name: str, tag: int, tensor: torch.Tensor):
         """What the timeline notes of a message (the same on both ends, so they can be paired)."""
@@ -340,31 +325,18 @@ class StageRuntime:
             "microbatch": k,
             "stage": self.index,
             "peer_stage": peer,
-            "peer_rank": self._ranks[peer],
+            "peer_rank": self._links.global_rank(peer),
             "what": _KIND_NAMES[kind],
             "value": name,
             "tag": tag,
             "bytes": tensor.numel() * tensor.element_size(),
         }
 
-    def _group_name(self) -> str:
-        return faults.describe_group("pipeline", self._ranks)
-
     def _to_device(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device != self._device:
-            return value.to(self._device)
+        device = self._links.device
+        if isinstance(value, torch.Tensor) and value.device != device:
+            return value.to(device)
         return value
-
-    def _check_inputs(self, flat: list[Any]) -> None:
-        for i, shape, dtype in self._input_meta:
-            t = flat[i]
-            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"smp: model input {i} is {got}, but the stage graph chosen for these inputs was "
-                    f"captured for {tuple(shape)} {dtype}: smp's signature cache picked the wrong graph "
-                    "(a bug in smp; please report it with the inputs' shapes and dtypes)"
-                )
 
 
 def _check_sendable(name: str, tensor: torch.Tensor, stage: int) -> None:
@@ -375,7 +347,3 @@ def _check_sendable(name: str, tensor: torch.Tensor, stage: int) -> None:
             "tensor, which the pipeline cannot send between stages; return it dense (tensor.to_dense()) "
             "and convert it after the model's call"
         )
-
-
-def _placeholders(pipe: PipelineGraph):
-    return [n for n in pipe.captured.graph_module.graph.nodes if n.op == "placeholder"]
