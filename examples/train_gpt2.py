@@ -29,6 +29,7 @@ from pathlib import Path
 
 import smp
 import torch
+from smp.pipeline.schedule import SCHEDULES
 
 HERE = Path(__file__).resolve().parent
 TIMELINE_START, TIMELINE_STEPS = 11, 3  # a few steps once partitioning and first touches are over
@@ -41,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     layout.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
     layout.add_argument("--rdp", type=int, default=None, help="data-parallel replicas (default: the rest)")
     layout.add_argument("--microbatches", type=int, default=4)
-    layout.add_argument("--schedule", choices=("interleaved", "simple", "zero_bubble"), default="interleaved")
+    layout.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     layout.add_argument("--shard-optimizer-state", action="store_true", help="ZeRO-1 over the replicas")
     layout.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master weights")
     train = p.add_argument_group("training")
