@@ -382,7 +382,7 @@ def _check_combination(config: Config) -> Config:
             f"smp config: active_microbatches ({config.active_microbatches}) exceeds microbatches "
             f"({config.microbatches}); set active_microbatches <= microbatches"
         )
-    stages = len(schedule.stage_ranks(config.pipeline, pp))
+    stages = schedule.num_stages(config.pipeline, pp)  # not stage_ranks: pp may be huge here
     if config.default_partition >= stages:
         counted = "pipeline_parallel_degree" if stages == pp else "the stages, 2 x pipeline_parallel_degree"
         raise ValueError(

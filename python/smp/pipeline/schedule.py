@@ -36,6 +36,12 @@ class Action(NamedTuple):
     stage: int  # the pipeline stage it runs (a rank of "zero_bubble_v" runs two)
 
 
+def num_stages(schedule: str, num_ranks: int) -> int:
+    """How many stages the model is cut into for `num_ranks` pipeline ranks (see stage_ranks)."""
+    _check_schedule(schedule)
+    return 2 * num_ranks if schedule == "zero_bubble_v" and num_ranks > 1 else num_ranks
+
+
 def stage_ranks(schedule: str, num_ranks: int) -> tuple[int, ...]:
     """The pipeline rank of every stage: one stage per rank, or for "zero_bubble_v" (with more than
     one rank) two in a V, rank r holding stages r and 2p-1-r. Stage r is on rank r either way."""
@@ -220,7 +226,7 @@ def unit_time_slots(
     """Each rank's actions placed in time slots, every action one slot long: an action runs in
     the first slot after what it waits for (the previous stage's F k, the next stage's B k) and
     this rank's previous action. None is an idle slot (a bubble)."""
-    last = len(stage_ranks(schedule, num_ranks)) - 1
+    last = num_stages(schedule, num_ranks) - 1
     todo = [rank_actions(schedule, r, num_ranks, microbatches, active_microbatches) for r in range(num_ranks)]
     finished: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, stage) -> slot
     slots: list[list[Action | None]] = [[] for _ in range(num_ranks)]
