@@ -91,7 +91,10 @@ def test_sagemaker_environment_variable_is_read(monkeypatch):
         ({"tensor_parallel_degree": 2.0}, "'tensor_parallel_degree' must be an integer, got 2.0"),
         ({"ddp": 1}, "'ddp' must be true or false, got 1 (int)"),
         ({"memory_weight": 1.5}, "'memory_weight' must be in [0, 1], got 1.5"),
-        ({"pipeline": "1f1b"}, "'pipeline' must be 'interleaved' or 'simple' or 'zero_bubble' or 'zero_bubble_v', got '1f1b'"),
+        (
+            {"pipeline": "1f1b"},
+            "'pipeline' must be 'interleaved' or 'simple' or 'zero_bubble' or 'zero_bubble_v', got '1f1b'",
+        ),
         ({"optimize": "fast"}, "'optimize' must be 'speed' or 'memory', got 'fast'"),
         ({"placement_strategy": "DPP"}, "'placement_strategy' must be 'cluster', 'spread' or a permutation"),
         ({"fp16": True, "bf16": True}, "'fp16' and 'bf16' are both true"),

@@ -165,17 +165,23 @@ def test_zero_bubble_and_ordered_messages_parity_matrix(world):
             ]
             for name in ("interleaved", "zero_bubble", "zero_bubble_v")
         }
-        kept = [
-            dict((n, r) for n, _, r in results)["memory zero_bubble"]["kept_gradients_peak"]
-            for results in per_rank
-        ]
-        print("saved-activation peaks per rank:", peaks, "zero_bubble's kept output gradients:", kept)
+        kept, kept_v = (
+            [
+                dict((n, r) for n, _, r in results)[f"memory {name}"]["kept_gradients_peak"]
+                for results in per_rank
+            ]
+            for name in ("zero_bubble", "zero_bubble_v")
+        )
+        print("saved-activation peaks per rank:", peaks, "kept output gradients:", kept, kept_v)
         assert min(peaks["zero_bubble"]) > 0, peaks
         assert min(kept[1:]) > 0, kept  # stages 1-3 defer (stage 0 runs its whole backward at W)
         # No stage's peak is higher than under 1F1B.
         for zb, one_f_one_b in zip(peaks["zero_bubble"], peaks["interleaved"], strict=True):
             assert zb <= one_f_one_b, peaks
-        assert min(peaks["zero_bubble_v"]) > 0, peaks
+        # ZB-V trades memory for the bubble: every rank holds about what the first stage holds under
+        # 1F1B (measured 0.94-1.07x its peak: a rank's two stages are cut by cost, not by bytes).
+        assert min(peaks["zero_bubble_v"]) > 0.8 * max(peaks["interleaved"]), peaks
+        assert max(peaks["zero_bubble_v"]) <= 1.1 * max(peaks["interleaved"]), peaks
 
 
 def test_zero_bubble_schedule_is_data():
