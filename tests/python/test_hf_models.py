@@ -26,6 +26,17 @@ LAYOUTS = {
             "pipeline": "zero_bubble",
         },
     ),
+    # zero_bubble_v: four stages in a V on two ranks (rank 0 holds the embeddings and the head,
+    # so GPT-2's tied embedding/head meets on one rank), tensor-parallel inside each.
+    "pp2_tp2_zero_bubble_v": (
+        4,
+        {
+            "pipeline_parallel_degree": 2,
+            "tensor_parallel_degree": 2,
+            "microbatches": 4,
+            "pipeline": "zero_bubble_v",
+        },
+    ),
 }
 
 # Per model, layers of block 0 that tensor parallelism must shard (Megatron's column/row pairs).
