@@ -3,8 +3,9 @@ mixture of experts, multi-query attention, per-head fused q/k/v, parallel attent
 ALiBi, rotary, tied embeddings), each built under smp.tensor_parallelism() as a new user
 would: 3 Adam steps against one process at tp=2 (x rdp=2), tp=4 and pp=2 x tp=2, and the
 share of matrix parameters actually sharded. zero_bubble too (pp=2 x tp=2, and pp=4 on the
-ordered single-tag path), and zero_bubble_v at pp=2 x tp=2 (ordered: four stages in a V): its split at the linear layers meets each architecture's own linears
-(FalconLinear, Conv1D, expert banks, fused q/k/v)."""
+ordered single-tag path), and zero_bubble_v at pp=2 x tp=2 (ordered: four stages in a V): the
+split at the linear layers meets each architecture's own linears (FalconLinear, Conv1D, expert
+banks, fused q/k/v)."""
 
 from __future__ import annotations
 
