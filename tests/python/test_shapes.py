@@ -26,6 +26,8 @@ GPT_LAYOUTS = (
         "pp2_rdp2_sharded_zero_bubble_ordered",
         PP2 | {"shard_optimizer_state": True, "pipeline": "zero_bubble", "ordered_messages": True},
     ),
+    # zero_bubble_v: each new signature cut into the same four stages in a V, two per rank.
+    ("pp2_tp2_zero_bubble_v", PP2 | {"tensor_parallel_degree": 2, "pipeline": "zero_bubble_v"}),
 )
 EVAL_AT = 3  # the eval step runs before training step 3
 ADVICE = "distinct input signatures"
