@@ -41,11 +41,14 @@ PP2_TP2 = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbat
 TP4 = {"tensor_parallel_degree": 4}
 RDP4_SHARDED = {"shard_optimizer_state": True}
 TP2_RDP2_SHARDED_BF16 = {"tensor_parallel_degree": 2, "shard_optimizer_state": True, "bf16": True}
+# Four stages in a V on two ranks: the tied embedding/head sits on one rank.
+PP2_TP2_V = PP2_TP2 | {"pipeline": "zero_bubble_v"}
 # (layout that saves, layouts that resume on 4 ranks); rdp4 sharded also resumes at rdp2 on 2 ranks
 TRANSITIONS = [
-    (PP2_TP2, [TP4, RDP4_SHARDED]),
+    (PP2_TP2, [TP4, RDP4_SHARDED, PP2_TP2_V]),
     (RDP4_SHARDED, []),
     (TP2_RDP2_SHARDED_BF16, [PP2_TP2 | {"bf16": True}, TP2_RDP2_SHARDED_BF16]),
+    (PP2_TP2_V, [PP2_TP2]),
 ]
 
 
@@ -140,7 +143,7 @@ def test_any_layout_resumes_on_any_other(tmp_path):
     another layout: its rounding of the last 2 steps there)."""
     results = run_ranks(_save_and_resume, 4, str(tmp_path), timeout=600)[0]
     results += run_ranks(_downsize, 2, str(tmp_path / "1"), timeout=300)[0]
-    assert len(results) == 10, results
+    assert len(results) == 14, results
     for i, target, partial, state_error, train_error in results:
         assert state_error == 0.0, (i, target, partial, state_error)
         # bf16 on another layout rounds the last 2 steps differently; on its own layout it is exact
