@@ -77,9 +77,9 @@ def rank_actions(
     2 * min(active_microbatches, p, m) stage-microbatches (F done, W not); each stage being half
     the size of a one-stage-per-rank stage, that is about the activations the first rank holds
     under "interleaved", on every rank (measured: 0.94-1.07x its peak at p = 4, m = 8, 4 active).
-    With F = B = W = 1 unit per half-size stage, a step takes 6m + 2 units per rank at p = 2
-    (m = 4: 26 slots against 1F1B's 30 of the same units; m = 8: 50 against 54) and 6m + 3 at
-    p = 4, m = 8 (51 against 66).
+    With F = B = W = 1 unit per half-size stage, a step takes 6m + 1 units per rank at p = 2
+    (m = 4: 25 slots against 1F1B's 30 of the same units; m = 8: 49 against 54) and 6m + 4 at
+    p = 4, m = 8 (52 against 66).
     """
     _check_schedule(schedule)
     if microbatches < 1 or active_microbatches < 1:
@@ -140,20 +140,69 @@ def _zero_bubble_v(num_ranks: int, microbatches: int, active: int) -> tuple[tupl
 _PREFERENCES = ("BFW", "FBW", "BWF")
 
 
+class Costs(NamedTuple):
+    """The durations a schedule is placed with, in units of a stage's F."""
+
+    b: float
+    w: float
+
+    def of(self, action: Action) -> float:
+        if action.kind == "F":
+            return 1.0
+        if action.stage == 0:  # receives no values: its B does nothing, its W is its whole backward
+            return 0.0 if action.kind == "B" else self.b + self.w
+        return self.b if action.kind == "B" else self.w
+
+
+# The paper's unit model, and what the split at the linear layers costs (measured on a transformer
+# stage on CPU: B 1.0-1.1x its F, W 0.61-0.66x; docs/benchmarks.md). W is the linears' weight
+# products alone, cheaper than B, which also runs attention's and the elementwise ops' backward.
+_UNIT = Costs(1.0, 1.0)
+_MEASURED = Costs(1.0, 2 / 3)
+
+
 def _greedy(
     held: tuple[tuple[int, ...], ...], microbatches: int, limits: tuple[int, ...]
 ) -> tuple[tuple[Action, ...], ...]:
-    """The shortest of _place's schedules over the orders of preference in _PREFERENCES (the first
-    of equally short ones)."""
-    best = min((_place(held, microbatches, limits, order) for order in _PREFERENCES), key=lambda r: r[1])
-    return best[0]
+    """Of _place's schedules over the orders of preference in _PREFERENCES, each placed with both
+    cost models, the one that runs shortest with the measured costs (then with unit costs; then
+    the first). Any of them is correct: the choice only moves idle time."""
+    candidates = [
+        _place(held, microbatches, limits, order, costs)
+        for costs in (_UNIT, _MEASURED)
+        for order in _PREFERENCES
+    ]
+    return min(candidates, key=lambda lists: (_makespan(lists, _MEASURED), _makespan(lists, _UNIT)))
+
+
+def _makespan(lists: tuple[tuple[Action, ...], ...], costs: Costs) -> float:
+    """How long the ranks' lists take, run in order, each action starting once its rank is free and
+    what it waits for (F(k) of the stage before, B(k) of the stage after) has ended."""
+    last = max(a.stage for actions in lists for a in actions)
+    ended: dict[tuple[str, int, int], float] = {}
+    at, free = [0] * len(lists), [0.0] * len(lists)
+    while any(i < len(actions) for i, actions in zip(at, lists, strict=True)):
+        for r, actions in enumerate(lists):
+            while at[r] < len(actions):
+                a = actions[at[r]]
+                needed = None
+                if a.kind == "F" and a.stage > 0:
+                    needed = ("F", a.microbatch, a.stage - 1)
+                elif a.kind == "B" and a.stage < last:
+                    needed = ("B", a.microbatch, a.stage + 1)
+                if needed is not None and needed not in ended:
+                    break
+                start = max(free[r], ended[needed] if needed is not None else 0.0)
+                ended[(a.kind, a.microbatch, a.stage)] = free[r] = start + costs.of(a)
+                at[r] += 1
+    return max(free)
 
 
 def _place(
-    held: tuple[tuple[int, ...], ...], microbatches: int, limits: tuple[int, ...], order: str
-) -> tuple[tuple[tuple[Action, ...], ...], float]:
+    held: tuple[tuple[int, ...], ...], microbatches: int, limits: tuple[int, ...], order: str, costs: Costs
+) -> tuple[tuple[Action, ...], ...]:
     """Actions placed greedily in time for ranks holding the stages `held` (a stage's index is its
-    place in the pipeline), each rank in turn from the earliest free one, and the time they take.
+    place in the pipeline), each rank in turn from the earliest free one.
     A rank that is free runs the first kind in `order` it can: a B whose gradient has arrived; an
     F whose input has arrived while the rank holds fewer than its limit of stage-microbatches (F
     done, W not; a rank holding several stages keeps a place for each later stage's F, so that a
@@ -161,10 +210,9 @@ def _place(
     first, then the later stage (which brings a microbatch to its loss sooner). If none can run,
     it waits for the next action to end.
 
-    F, B and W take one unit each, except on the first stage: it receives no values and so sends no
-    gradient, its B does nothing and its W is its whole backward (smp.pipeline.split_backward), two
-    units. The lists are the result; the runtime then runs them in this order whatever the real
-    durations are."""
+    Actions take what `costs` says (on the first stage, which receives no values and so sends no
+    gradient, B does nothing and W is its whole backward: smp.pipeline.split_backward). The lists
+    are the result; the runtime then runs them in this order whatever the real durations are."""
     last = max(max(stages) for stages in held)
     done = {kind: [0] * (last + 1) for kind in "FBW"}
     finished: dict[tuple[str, int, int], float] = {}  # (kind, k, stage) -> when it ends
@@ -177,11 +225,6 @@ def _place(
         if kind == "B" and s == last:
             needed = None
         return needed is None or finished.get(needed, t + 1) <= t
-
-    def duration(action: Action) -> float:
-        if action.stage == 0 and action.kind != "F":
-            return 0.0 if action.kind == "B" else 2.0
-        return 1.0
 
     def choose(rank: int, t: float) -> Action | None:
         stages = sorted(held[rank], reverse=True)  # the later stage first
@@ -209,7 +252,7 @@ def _place(
         for rank in (r for r in busy if free[r] == t):
             choice = choose(rank, t)
             if choice is not None:
-                finished[(choice.kind, choice.microbatch, choice.stage)] = free[rank] = t + duration(choice)
+                finished[(choice.kind, choice.microbatch, choice.stage)] = free[rank] = t + costs.of(choice)
                 actions[rank].append(choice)
                 done[choice.kind][choice.stage] += 1
                 break
@@ -219,7 +262,7 @@ def _place(
                 raise RuntimeError(f"smp: the greedy schedule for stages {held} deadlocks at time {t}")
             for r in busy:
                 free[r] = max(free[r], min(later))
-    return tuple(tuple(a) for a in actions), max(finished.values())
+    return tuple(tuple(a) for a in actions)
 
 
 def unit_time_slots(
