@@ -115,6 +115,20 @@ def test_zero_bubble_v_places_two_half_stages_per_rank():
     assert [memory.alive(one, r) for r in (0, 1)] == [2, 1]
 
 
+def test_step_time_bubble_follows_the_schedule():
+    """The bubble is read off the schedule's own timeline: 1F1B's and GPipe's (pp - 1) / m, and
+    less for the zero-bubble schedules, ZB-V least."""
+    from smp.pipeline import schedule
+    from smp.planner.layout import Layout
+    from smp.planner.step_time import bubble_share
+
+    for pp, m in ((2, 4), (2, 8), (4, 8), (8, 32)):
+        shares = {s: bubble_share(Layout(pp=pp, microbatches=m, pipeline=s)) for s in schedule.SCHEDULES}
+        assert shares["interleaved"] == pytest.approx((pp - 1) / m) == shares["simple"]
+        assert shares["zero_bubble_v"] < shares["zero_bubble"] < shares["interleaved"], shares
+    assert bubble_share(Layout(pp=1, microbatches=4)) == 0.0
+
+
 @pytest.mark.parametrize("runtime", ["smp", "smp_v1"])
 def test_obviously_too_large_does_not_fit(runtime):
     ten_b = REFERENCE["10B"][0]

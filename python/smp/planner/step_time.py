@@ -4,7 +4,9 @@ every GPU with nothing else to do). Meant to rank layouts, not to predict second
 Stated assumptions (A100 p4d nodes, as in the seed's reference table):
 - a GPU sustains 125 TFLOP/s in bf16/fp16 (40% of its 312 peak), 8 times less in fp32;
 - backward costs two forwards; a checkpointed layer runs its forward once more;
-- the pipeline bubble: a stage idles (pp - 1) / (microbatches + pp - 1) of the pipeline's time;
+- the pipeline bubble: the most idle rank's idle time per unit of its work in the schedule's own
+  unit-time timeline (smp.pipeline.schedule.unit_time_slots): (pp - 1) / microbatches for 1F1B
+  and GPipe, less for the zero-bubble schedules;
 - ring collectives move 2 (n - 1) / n of the buffer per rank; within a node at 150 GB/s per GPU
   (NVLink, one direction), across nodes at 50 GB/s per node (EFA, 400 Gbps) shared by its GPUs;
 - tensor parallelism all-reduces each layer's output twice forward and twice backward;
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from smp.pipeline import schedule
 from smp.planner.layout import Layout
 from smp.planner.memory import Workload, held, microbatch_size
 from smp.planner.model_facts import ModelFacts
@@ -65,7 +68,7 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
     per_microbatch = (3 * forward + recompute) / flops
     m, pp = layout.microbatches, layout.pp
     compute = m * per_microbatch
-    bubble = (pp - 1) * per_microbatch  # (pp-1)/(m+pp-1) of the pipeline's m+pp-1 slots
+    bubble = compute * bubble_share(layout)
     per_node = workload.gpus_per_node
     boundary = tokens * facts.hidden * elem
     tp_link = _link(layout.tp > per_node, per_node)
@@ -83,6 +86,16 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
     )
     ideal = total_flops / (workload.gpus * flops)
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, ideal)
+
+
+def bubble_share(layout: Layout) -> float:
+    """Idle time per unit of work on the most idle pipeline rank, from the schedule's unit-time
+    timeline (every action one slot)."""
+    if layout.pp == 1:
+        return 0.0
+    slots = schedule.unit_time_slots(layout.pipeline, layout.pp, layout.microbatches, layout.active)
+    length = max(len(row) for row in slots)
+    return max((length - busy) / busy for busy in (sum(a is not None for a in row) for row in slots))
 
 
 def _stage_params(facts: ModelFacts, layout: Layout) -> float:
