@@ -47,12 +47,17 @@ def test_gpt_parity(pp, dp):
 
 @pytest.mark.parametrize("case", ["twice", "skip", "dict", "returns_twice"])
 def test_model_shapes_parity(case):
+    # zero_bubble_v too: four stages in a V, so a value returned twice, a model output of an earlier
+    # stage of the rank that computes the loss, or a submodule called at both ends meet on one rank.
     config = {"pipeline_parallel_degree": 2, "microbatches": 4}
-    results = run_ranks(pipeline_cases.train_smp, 2, case, config, 3, 8, timeout=180)
-    _check_parity(results)
+    configs = [config, config | {"pipeline": "zero_bubble_v"}]
+    results = run_ranks(pipeline_cases.train_smp, 2, case, configs, 3, 8, timeout=180)
+    for per_config in results:
+        _check_parity(per_config)
     if case == "twice":
-        # The submodule called at both ends is replicated on both stages.
-        assert results[0]["shared"] == ["shared.bias", "shared.weight"]
+        # The submodule called at both ends is replicated on both stages (under zero_bubble_v the
+        # first and last stages share rank 0: one tensor there, nothing to sum across ranks).
+        assert results[0][0]["shared"] == ["shared.bias", "shared.weight"]
 
 
 def test_manual_partition_parity():
@@ -63,6 +68,26 @@ def test_manual_partition_parity():
     assert "blocks.2.mlp.0.weight" in results[0]["local"]
     assert not any(n.startswith("blocks.2") for n in results[1]["local"])
     assert "blocks.3.mlp.0.weight" in results[1]["local"]
+
+
+def test_manual_partition_zero_bubble_v_parity():
+    """smp.set_partition with the 2p stages of zero_bubble_v: rank 0 holds stages 0 and 3, rank 1
+    stages 1 and 2."""
+    config = {
+        "pipeline_parallel_degree": 2,
+        "microbatches": 4,
+        "auto_partition": False,
+        "pipeline": "zero_bubble_v",
+    }
+    manual = {"blocks.1": 1, "blocks.2": 2, "blocks.3": 3, "ln_f": 3}
+    results = run_ranks(pipeline_cases.train_smp, 2, "gpt", config, 3, 8, {"manual": manual}, timeout=180)
+    _check_parity(results)
+    rank0, rank1 = (set(r["local"]) for r in results)
+    assert {"blocks.0.mlp.0.weight", "blocks.3.mlp.0.weight", "ln_f.weight", "tok.weight"} <= rank0
+    assert {"blocks.1.mlp.0.weight", "blocks.2.mlp.0.weight"} <= rank1
+    assert not any(n.startswith(("blocks.1", "blocks.2")) for n in rank0)
+    # The tied embedding/head is shared by stages 0 and 3, one tensor on rank 0.
+    assert results[0]["shared"] == ["tok.weight"] and "tok.weight" not in rank1
 
 
 def test_replicas_seeded_differently_start_equal_and_measured_costs():
