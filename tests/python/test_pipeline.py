@@ -332,11 +332,12 @@ def test_error_messages():
     assert math.isfinite(ok)
 
 
-def _too_small(rank, world_size):
+def _too_small(rank, world_size, schedule="interleaved"):
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
-    model = smp.DistributedModel(torch.nn.Linear(4, 4))
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "pipeline": schedule})
+    layers = 1 if schedule == "interleaved" else 3
+    model = smp.DistributedModel(torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(layers))))
 
     @smp.step
     def run(x):
@@ -348,3 +349,6 @@ def _too_small(rank, world_size):
 def test_model_too_small_to_split():
     with pytest.raises(RankFailure, match="model too small to split: 1 partitionable unit"):
         run_ranks(_too_small, 2, timeout=120)
+    # zero_bubble_v cuts 4 stages at pp=2: three layers are too few, and the error says why.
+    with pytest.raises(RankFailure, match=r"(?s)3 partitionable unit.*'zero_bubble_v' schedule cuts"):
+        run_ranks(_too_small, 2, "zero_bubble_v", timeout=120)

@@ -33,7 +33,16 @@ def plan_stages(
         return passes.plan_from_assignment(gm, every, 1)
     colocate = config.colocate_shared_parameters
     if config.auto_partition:
-        plan = passes.auto_partition(gm, num_stages, config.memory_weight, colocate)
+        try:
+            plan = passes.auto_partition(gm, num_stages, config.memory_weight, colocate)
+        except passes.PartitionError as error:
+            if num_stages == config.pipeline_parallel_degree:
+                raise
+            raise passes.PartitionError(
+                f"{error} (the {config.pipeline!r} schedule cuts 2 x pipeline_parallel_degree = "
+                f"{num_stages} stages; use another schedule, a lower pipeline_parallel_degree, or a "
+                "model with more modules)"
+            ) from error
     else:
         plan = passes.manual_partition(gm, num_stages, module_partitions, config.default_partition, colocate)
     # Measured times differ between ranks: everyone adopts global rank 0's assignment.
