@@ -16,6 +16,7 @@ skipped and the scale lowered as before.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,32 +33,37 @@ def _finite(tensor: torch.Tensor) -> bool:
 
 
 class FiniteCheck:
-    def __init__(self, stage: int, rank: int):
-        self._stage, self._rank = stage, rank
+    """`stages`: the pipeline stages this rank runs (one, or two under "zero_bubble_v")."""
+
+    def __init__(self, stages: tuple[int, ...], rank: int):
+        self._stages, self._rank = tuple(sorted(stages)), rank
         self._findings: list[tuple[int, int, str]] = []  # (order, stage, description)
 
     def start_step(self) -> None:
         self._findings = []
 
-    def activations(self, k: int, produced: dict[str, torch.Tensor]) -> None:
-        for name, tensor in produced.items():
-            if isinstance(tensor, torch.Tensor) and not _finite(tensor):
-                self._add(0, self._stage, f"activation {name!r} of microbatch {k}")
-                return
+    def activations(self, k: int, produced: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """`produced`: per stage of this rank, the values it computed in microbatch k's forward."""
+        for stage in sorted(produced):
+            for name, tensor in produced[stage].items():
+                if isinstance(tensor, torch.Tensor) and not _finite(tensor):
+                    self._add(0, stage, f"activation {name!r} of microbatch {k}", (stage,))
+                    return
 
     def loss(self, k: int, tensors: list[torch.Tensor]) -> None:
         if any(isinstance(t, torch.Tensor) and not _finite(t) for t in tensors):
-            self._add(1, self._stage, f"the loss of microbatch {k}")
+            self._add(1, self._stages[0], f"the loss of microbatch {k}", self._stages)
 
     def gradients(self, named: list[tuple[str, torch.Tensor | None]]) -> None:
         for name, grad in named:
             if grad is not None and not _finite(grad):
-                self._add(2, -self._stage, f"the gradient of {name!r}")
+                self._add(2, -self._stages[-1], f"the gradient of {name!r}", self._stages)
                 return
 
-    def _add(self, order: int, key: int, what: str) -> None:
+    def _add(self, order: int, key: int, what: str, stages: tuple[int, ...]) -> None:
         if not any(o == order for o, _, _ in self._findings):
-            self._findings.append((order, key, f"{what} on pipeline stage {self._stage} (rank {self._rank})"))
+            where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+            self._findings.append((order, key, f"{what} on pipeline {where} (rank {self._rank})"))
 
     def raise_if_any(self, step: int, group: dist.ProcessGroup | None) -> None:
         """Exchanges the findings over `group` (None: the default group; every rank calls this) and

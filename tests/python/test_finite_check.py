@@ -43,6 +43,9 @@ SCENARIOS = {
     "debug": ({"debug": True}, 2, "target"),
     "off": ({}, 2, "target"),
     "fp16": ({"check_finite": True, "fp16": True}, 2, "target"),
+    # Four stages in a V: each rank runs two, and a finding names the stage that computed it.
+    "input_v": ({"check_finite": True, "pipeline": "zero_bubble_v"}, 3, "input"),
+    "target_v": ({"check_finite": True, "pipeline": "zero_bubble_v"}, 2, "target"),
 }
 
 
@@ -68,3 +71,9 @@ def test_nonfinite_reports():
         assert "first appeared at step 2 in the loss of microbatch 0 on pipeline stage " in out["debug"]
         # Off: training goes on (SMP's behaviour); fp16: the loss scaler's overflow handling decides.
         assert out["off"] is None and out["fp16"] is None
+        message = out["input_v"]
+        assert "of microbatch 1 on pipeline stage 0 (rank 0)" in message, message
+        assert "on pipeline stage 1 (rank 1)" in message, message
+        assert "in the loss of microbatch 0 on pipeline stages 0, 3 (rank 0)" in out["target_v"], out[
+            "target_v"
+        ]

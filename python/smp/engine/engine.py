@@ -99,7 +99,8 @@ class Engine:
         self._steps = 0  # steps started
         # NaN/inf report (not in fp16, where they are the loss scaler's overflow signal).
         checks = (config.check_finite or config.debug) and not config.fp16
-        self._finite = FiniteCheck(groups.pp_rank, groups.rank) if checks else None
+        stages = schedule.rank_stages(config.pipeline, groups.pp_rank, groups.pp_size)
+        self._finite = FiniteCheck(stages, groups.rank) if checks else None
         if not self.captures:
             self._install(place_whole(module, config, groups))
         for layer in recompute.hf_flags.take(module):
@@ -261,7 +262,7 @@ class Engine:
         # Each of this rank's stages is its own action: the microbatch pauses between them.
         pending = mb.runtime.forward(mb.index, args, kwargs, mb.pause, lambda: self._saving_for(mb))
         if self._finite is not None:
-            self._finite.activations(mb.index, mb.runtime.produced(mb.index))
+            self._finite.activations(mb.index, mb.runtime.produced_by_stage(mb.index))
         mb.pause()
         return pending.wait()
 

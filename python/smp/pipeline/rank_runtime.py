@@ -186,9 +186,9 @@ class RankRuntime:
             if s.index == stage:
                 s.backward_weights(k)
 
-    def produced(self, k: int) -> dict[str, torch.Tensor]:
-        """The values this rank's stages computed in microbatch k's forward (until their backward)."""
-        return {name: t for stage in self.stages for name, t in stage.produced(k).items()}
+    def produced_by_stage(self, k: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Per stage of this rank, the values it computed in microbatch k's forward (until its backward)."""
+        return {stage.index: stage.produced(k) for stage in self.stages}
 
     def finish_step(self) -> None:
         links = self._links
