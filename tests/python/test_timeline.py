@@ -193,7 +193,7 @@ def test_a_later_action_kind_is_drawn_like_the_others():
     """A "W" action (zero-bubble's weight gradient) needs no change: a compute event like F and B."""
     from smp.pipeline import timeline_files
 
-    identity = {"rank": 0, "stage": 0, "tp": 0, "rdp": 0}
+    identity = {"rank": 0, "stages": (0,), "tp": 0, "rdp": 0}
     events = [
         (kind, 1000 * i, 1000 * i + 900, 1, {"microbatch": 0, "stage": 0}) for i, kind in enumerate("FBW")
     ]
@@ -203,3 +203,15 @@ def test_a_later_action_kind_is_drawn_like_the_others():
         ("B0", "B", 0),
         ("W0", "W", 0),
     ]
+
+
+def test_a_rank_of_two_stages_is_named_by_both():
+    from smp.pipeline import timeline_files
+
+    assert timeline_files.rank_name({"rank": 1, "stages": (1, 2), "tp": 0, "rdp": 1}) == (
+        "rank 1 (stages 1, 2, tp 0, rdp 1)"
+    )
+    assert (
+        timeline_files.rank_name({"rank": 0, "stages": (0,), "tp": 1, "rdp": 0})
+        == "rank 0 (stage 0, tp 1, rdp 0)"
+    )

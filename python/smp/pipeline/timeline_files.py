@@ -4,8 +4,9 @@
 "rdp"}, each event (kind, start_ns, end_ns, step, fields) on rank 0's clock.
 
 timeline.json is a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing): one
-process per rank, named "rank r (stage s, tp t, rdp d)"; its "compute" thread holds the F/B
-actions as complete events, with the waits for messages nested in them; sends, receives and
+process per rank, named "rank r (stage s, tp t, rdp d)" ("stages s, s'" under "zero_bubble_v");
+its "compute" thread holds the F/B actions as complete events, with the waits for messages nested
+in them; sends, receives and
 gradient buckets are async slices beside it (they overlap, which complete events on one thread
 may not); an arrow goes from the action that sent each message to the action that waited for it.
 
@@ -30,7 +31,9 @@ def is_compute(kind: str) -> bool:
 
 def rank_name(identity: dict[str, int]) -> str:
     i = identity
-    return f"rank {i['rank']} (stage {i['stage']}, tp {i['tp']}, rdp {i['rdp']})"
+    stages = i["stages"]
+    where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+    return f"rank {i['rank']} ({where}, tp {i['tp']}, rdp {i['rdp']})"
 
 
 def _origin(ranks: list[tuple[dict, list]]) -> int:
