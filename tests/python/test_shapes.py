@@ -104,12 +104,12 @@ def test_hf_llama_and_bert_right_padded_pp2_tp2(matrix):
 COMPILE_STEPS = ((8, 16), (8, 12))  # two signatures: each stage graph compiled once per signature
 
 
-def _compiled(rank, world_size):
+def _compiled(rank, world_size, layout=None):
     import smp
     from smp.engine import compiled
 
     ref = shape_cases.reference("gpt_small", steps=COMPILE_STEPS, optimizer="sgd")
-    smp.init(PP2 | {"tensor_parallel_degree": 2, "compile": True})
+    smp.init(PP2 | (layout or {"tensor_parallel_degree": 2}) | {"compile": True})
     before = compiled.compiles()
     r = shape_cases.train(smp, "gpt_small", ref, steps=COMPILE_STEPS, optimizer="sgd")
     r["compiles"] = compiled.compiles() - before
@@ -124,3 +124,12 @@ def test_compile_pp2_tp2_parity():
     for r in run_ranks(_compiled, 4, timeout=500):
         assert r["loss_err"] < 1e-4 and r["param_err"] < 1e-4, r
         assert r["compiles"] == len(COMPILE_STEPS), r
+
+
+@pytest.mark.slow
+def test_compile_zero_bubble_v_parity():
+    """ "compile" under zero_bubble_v at pp=2: both of a rank's stages compiled, once per signature
+    each (2 stages x 2 signatures), within 1e-4 of one process."""
+    for r in run_ranks(_compiled, 2, {"pipeline": "zero_bubble_v"}, timeout=500):
+        assert r["loss_err"] < 1e-4 and r["param_err"] < 1e-4, r
+        assert r["compiles"] == 2 * len(COMPILE_STEPS), r
