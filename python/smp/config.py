@@ -19,8 +19,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from smp.pipeline import schedule
-
 DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
 LAUNCHER_VAR = "SM_HP_MP_PARAMETERS"  # above it, as on SageMaker
 ENV_VARS = (DEFAULTS_VAR, LAUNCHER_VAR)
@@ -160,7 +158,20 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
-_CHOICES = {"pipeline": schedule.SCHEDULES, "optimize": ("speed", "memory")}
+# The pipeline schedules (smp.pipeline.schedule builds their action lists) and the stages each cuts
+# per pipeline rank: "zero_bubble_v" two, in a V.
+PIPELINE_SCHEDULES = {"interleaved": 1, "simple": 1, "zero_bubble": 1, "zero_bubble_v": 2}
+_CHOICES = {"pipeline": tuple(PIPELINE_SCHEDULES), "optimize": ("speed", "memory")}
+
+
+def pipeline_stages(pipeline: str, pipeline_parallel_degree: int) -> int:
+    """How many stages the model is cut into: the stages per rank of the schedule `pipeline` times
+    the pipeline ranks (one stage when there is one rank)."""
+    if pipeline_parallel_degree == 1:
+        return 1
+    return PIPELINE_SCHEDULES[pipeline] * pipeline_parallel_degree
+
+
 _POSITIVE_INTS = (
     "pipeline_parallel_degree",
     "tensor_parallel_degree",
@@ -382,7 +393,7 @@ def _check_combination(config: Config) -> Config:
             f"smp config: active_microbatches ({config.active_microbatches}) exceeds microbatches "
             f"({config.microbatches}); set active_microbatches <= microbatches"
         )
-    stages = schedule.num_stages(config.pipeline, pp)  # not stage_ranks: pp may be huge here
+    stages = pipeline_stages(config.pipeline, pp)
     if config.default_partition >= stages:
         counted = "pipeline_parallel_degree" if stages == pp else "the stages, 2 x pipeline_parallel_degree"
         raise ValueError(

@@ -25,7 +25,9 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-SCHEDULES = ("interleaved", "simple", "zero_bubble", "zero_bubble_v")
+from smp.config import PIPELINE_SCHEDULES, pipeline_stages
+
+SCHEDULES = tuple(PIPELINE_SCHEDULES)
 # Schedules whose backward is split into B and W.
 SPLIT_BACKWARD = ("zero_bubble", "zero_bubble_v")
 
@@ -39,14 +41,13 @@ class Action(NamedTuple):
 def num_stages(schedule: str, num_ranks: int) -> int:
     """How many stages the model is cut into for `num_ranks` pipeline ranks (see stage_ranks)."""
     _check_schedule(schedule)
-    return 2 * num_ranks if schedule == "zero_bubble_v" and num_ranks > 1 else num_ranks
+    return pipeline_stages(schedule, num_ranks)
 
 
 def stage_ranks(schedule: str, num_ranks: int) -> tuple[int, ...]:
     """The pipeline rank of every stage: one stage per rank, or for "zero_bubble_v" (with more than
     one rank) two in a V, rank r holding stages r and 2p-1-r. Stage r is on rank r either way."""
-    _check_schedule(schedule)
-    if schedule != "zero_bubble_v" or num_ranks == 1:
+    if num_stages(schedule, num_ranks) == num_ranks:
         return tuple(range(num_ranks))
     return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
 
