@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from smp.pipeline import schedule
 from smp.planner.layout import Layout
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
@@ -122,11 +123,9 @@ def held(layout: Layout, rank: int, layers: int) -> tuple[int, bool, bool]:
     """(layers, whether it holds the first stage (the embeddings), whether it holds the last (the
     head)) of pipeline rank `rank`: one stage per rank, or under "zero_bubble_v" two half-size
     stages in a V (rank r: stages r and 2p-1-r), so that rank 0 holds both ends."""
-    pp = layout.pp
-    if layout.pipeline == "zero_bubble_v" and pp > 1:
-        split = stage_layers(layers, 2 * pp)
-        return split[rank] + split[2 * pp - 1 - rank], rank == 0, rank == 0
-    return stage_layers(layers, pp)[rank], rank == 0, rank == pp - 1
+    stages = schedule.rank_stages(layout.pipeline, rank, layout.pp)
+    split = stage_layers(layers, schedule.num_stages(layout.pipeline, layout.pp))
+    return sum(split[s] for s in stages), 0 in stages, len(split) - 1 in stages
 
 
 def alive(layout: Layout, stage: int) -> int:
