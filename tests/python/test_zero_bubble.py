@@ -351,43 +351,57 @@ def _pipe(stages: int):
 
 def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
     """Runs every rank's action list against the ordered path's posting rules, with NCCL's
-    matching (a receive completes once the sender has posted the group holding its send): both
-    ends must derive the same groups, no rank may post a send before computing it, every step
-    must complete (no deadlock) and leave nothing unposted. Messages between stages of one rank
-    stay off the order; their sender must have run first."""
+    semantics for batched point-to-point operations: each rank's groups run on one stream, in the
+    order posted, and a group completes once both its ranks have posted it and everything they
+    posted before it has completed (a receive is usable then). Both ends must derive the same
+    groups, no rank may post a send before computing it, every step must complete (no deadlock)
+    and leave nothing unposted. An action waits for its messages in the order that posts least
+    (the order's), the worst case. Messages between stages of one rank stay off the order; their
+    sender must have run first."""
     ranks = schedule.stage_ranks(name, pp)
     slots = schedule.unit_time_slots(name, pp, m, active)
+    orders = {r: message_order.posting_order(pipe, r, slots, ranks, True) for r in range(pp)}
     groups = {r: message_order.peer_groups(pipe, r, slots, ranks, True) for r in range(pp)}
     for a in range(pp):
         for b, gs in groups[a].items():
             assert gs == groups[b][a], (name, pp, m, a, b)
-    group_of = {
-        (r, p): {msg: i for i, g in enumerate(gs) for msg in g} for r in groups for p, gs in groups[r].items()
-    }
-    posted = {pair: 0 for pair in group_of}
+    position = {r: {msg: i for i, (_, g) in enumerate(orders[r]) for msg in g} for r in range(pp)}
+    posted = [0] * pp  # each rank's stream: orders[r][:posted[r]]
+    completed = [0] * pp  # ... of which the first completed[r] groups are done
     produced: set = set()
     ran: set = set()
 
-    def post_upto(r: int, peer: int, upto: int) -> None:
-        for g in range(posted[(r, peer)], upto + 1):
-            for msg in groups[r][peer][g]:
+    def post_upto(r: int, upto: int) -> None:
+        for g in range(posted[r], upto + 1):
+            for msg in orders[r][g][1]:
                 assert ranks[msg.src] != r or msg in produced, ("posted before computed", name, pp, m, msg)
-            posted[(r, peer)] = g + 1
+        posted[r] = max(posted[r], upto + 1)
+
+    def run_streams() -> None:
+        moved = True
+        while moved:
+            moved = False
+            for r in range(pp):
+                if completed[r] < posted[r]:
+                    peer, group = orders[r][completed[r]]
+                    if completed[peer] < posted[peer] and orders[peer][completed[peer]][1] == group:
+                        completed[r] += 1
+                        completed[peer] += 1
+                        moved = True
 
     def awaited(r: int, action) -> list:  # the messages from other ranks that `action` waits for
         last_stage = max(schedule.rank_stages(name, r, pp))
         out = []
-        for peer in groups[r]:
-            for msg in group_of[(r, peer)]:
-                if ranks[msg.dst] != r or msg.microbatch != action.microbatch:
-                    continue
-                if (action.kind, msg.kind) == ("F", message_order.ACTIVATION) and msg.dst == action.stage:
-                    out.append(msg)
-                elif action.kind == "B" and msg.kind == message_order.GRADIENT and msg.dst == action.stage:
-                    out.append(msg)
-                elif (action.kind, action.stage, msg.kind) == ("B", last_stage, message_order.OUTPUT):
-                    out.append(msg)  # the model's outputs: read when the rank's first B resumes
-        return out
+        for msg in position[r]:
+            if ranks[msg.dst] != r or msg.microbatch != action.microbatch:
+                continue
+            if (action.kind, msg.kind) == ("F", message_order.ACTIVATION) and msg.dst == action.stage:
+                out.append(msg)
+            elif action.kind == "B" and msg.kind == message_order.GRADIENT and msg.dst == action.stage:
+                out.append(msg)
+            elif (action.kind, action.stage, msg.kind) == ("B", last_stage, message_order.OUTPUT):
+                out.append(msg)  # the model's outputs: read when the rank's first B resumes
+        return sorted(out, key=lambda msg: position[r][msg])
 
     actions = [schedule.rank_actions(name, r, pp, m, active) for r in range(pp)]
     done = [0] * pp
@@ -398,10 +412,14 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
                 continue
             action = actions[r][done[r]]
             ready = True
-            for msg in sorted(awaited(r, action), key=lambda msg: group_of[(r, ranks[msg.src])][msg]):
-                src = ranks[msg.src]
-                post_upto(r, src, group_of[(r, src)][msg])  # what wait() does
-                ready = ready and posted[(src, r)] > group_of[(src, r)][msg]
+            for msg in awaited(r, action):  # what wait() does, one message after the other
+                before = posted[r]
+                post_upto(r, position[r][msg])
+                progressed = progressed or posted[r] > before
+                run_streams()
+                if completed[r] <= position[r][msg]:
+                    ready = False
+                    break
             if not ready:
                 continue
             local = {
@@ -413,8 +431,9 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
                 assert needed in ran, ("a stage of the same rank did not run first", name, pp, m, action)
             sent = message_order.sent_by(pipe, action.stage, action.kind, action.microbatch, True, ranks)
             produced.update(sent)
-            for peer in {ranks[msg.dst] for msg in sent}:  # flush()
-                post_upto(r, peer, max(group_of[(r, peer)][msg] for msg in sent if ranks[msg.dst] == peer))
+            if sent:  # flush()
+                post_upto(r, max(position[r][msg] for msg in sent))
+            run_streams()
             ran.add(tuple(action))
             done[r] += 1
             progressed = True
@@ -425,15 +444,17 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
             m,
             [a[d] if d < len(a) else None for a, d in zip(actions, done, strict=True)],
         )
-    for pair, n in posted.items():  # finish_step: the whole order was posted
-        assert n == len(groups[pair[0]][pair[1]]), ("left unposted", name, pp, m, pair)
+    for r in range(pp):  # finish_step: the whole order was posted, and every send completes
+        assert posted[r] == len(orders[r]), ("left unposted", name, pp, m, r)
+        run_streams()
+        assert completed[r] == len(orders[r]), ("left incomplete", name, pp, m, r)
 
 
 def test_ordered_message_order_agrees_and_completes_up_to_pp8():
     """The ordered path's order, derived from the schedule data, for every schedule, pp 2 to 8,
     m from 1 to 8 (odd ones too) and a skip connection across every stage: both ends of every pair
-    agree on it, and replaying the action lists under NCCL's matching never deadlocks (the
-    multi-process tests run it for real at pp 2 and 4)."""
+    agree on it, and replaying the action lists under NCCL's matching and its one stream per rank
+    for batched operations never deadlocks (the multi-process tests run it for real at pp 2 and 4)."""
     for pp in (2, 3, 4, 8):
         for name in schedule.SCHEDULES:
             pipe = _pipe(len(schedule.stage_ranks(name, pp)))

@@ -5,19 +5,33 @@ by order too, so the ordering is tested without GPUs).
 
 The order. Every action of every rank gets its unit-time slot (schedule.unit_time_slots: an
 action's slot is after the slots of the actions whose messages it waits for). The messages an
-action sends get its slot. For each pair of ranks, their messages in both directions are grouped
-by slot, groups in slot order, and inside a group by sender, then in the order the sender's action
-sends them. Both ends post a group's operations together (batch_isend_irecv: a send and a receive
-that would otherwise wait on each other go out at once) and groups strictly in order. Messages
-between two stages of one rank ("zero_bubble_v") never leave it and are not in the order.
+action sends get its slot. Between two ranks, the messages in both directions of one slot form a
+group (inside it: by sender, lower rank first, then in the order the sender's action sends them).
+All groups of all pairs are in one global order: by slot, then by pair (lower rank, higher rank).
+Each rank posts the operations of the groups it takes part in strictly in that order, so what a
+rank has posted is always a prefix of its sequence, whatever the timing.
 
-Why it cannot deadlock, given the schedule lists cannot (smp.pipeline.schedule). A rank posts a
-group when one of its actions sends in it, or when it must wait for a message in it (then every
-earlier group is posted first: its receives, and its sends, which earlier actions of this rank
-already made, because slots grow along a rank's list and a message is always waited for in a
-later slot than it was sent in). So each rank's own sends are always ready when their group is
-posted, both ends post the same groups in the same order, and every wait is for a message whose
-sending action the tagged path would also have run first.
+How they are posted: one isend or irecv each, not batch_isend_irecv. NCCL gives a pair's
+unbatched operations their own two-rank communicator and stream, where they run in issue order;
+inside a group both ends post the lower rank's sends first, so a send and a receive never wait on
+each other. A batch would instead run on the whole group's one communicator and stream: every
+operation of the rank, to any peer, queued behind the one before (torch.distributed.pipelining
+stopped batching same-direction operations for that head-of-line blocking), and with one
+communicator for all, the first batch would have to involve every rank of the group. Before the
+first step every rank exchanges one element with each of its peers, in pair order, so that the
+pair communicators (whose creation blocks until both ranks arrive) all exist before any stage
+waits on a message.
+
+Why it cannot deadlock, given the schedule lists cannot (smp.pipeline.schedule). A rank posts up
+to a group when one of its actions sends in it (at the action's end), or when it must wait for a
+message in it. Every group before it has an earlier slot (or the same slot and a lower pair), so
+its sends come from actions this rank already ran: slots grow along a rank's list, and a message
+is always waited for in a later slot than it was sent in. So each rank's sends are ready when
+their group is posted, and the first group of the global order not yet done is at the head of
+its ranks' streams once both post it, which each does at the latest when it waits for a message
+in it or in a later group. That holds even with one stream per rank for all its peers (a backend
+that serializes everything), which tests/python/test_zero_bubble.py replays for every schedule up
+to pp = 8; per-pair streams only remove waits.
 
 Gradient messages exist only in steps that run model.backward; a step started with grad mode
 off (evaluation under torch.no_grad()) leaves them out of its order.
@@ -64,11 +78,12 @@ def sent_by(
     return [m for m in out if ranks[m.src] != ranks[m.dst]]
 
 
-def peer_groups(
+def posting_order(
     pipe, rank: int, slots: list[list[schedule.Action | None]], ranks: tuple[int, ...], with_gradients: bool
-) -> dict[int, list[list[Message]]]:
-    """For each other pipeline rank: the groups of messages between it and `rank`, in posting order."""
-    by_slot: dict[int, dict[int, list[Message]]] = {}  # peer -> slot -> messages
+) -> list[tuple[int, list[Message]]]:
+    """The groups of messages between `rank` and the other ranks, (peer, messages) each, in the one
+    global order every rank posts them in (see the module's docstring)."""
+    by_key: dict[tuple[int, int, int], list[Message]] = {}  # (slot, low rank, high rank) -> group
     for row in slots:
         for t, action in enumerate(row):
             if action is None:
@@ -76,12 +91,22 @@ def peer_groups(
             for msg in sent_by(pipe, action.stage, action.kind, action.microbatch, with_gradients, ranks):
                 src, dst = ranks[msg.src], ranks[msg.dst]
                 if rank in (src, dst):
-                    peer = dst if src == rank else src
-                    by_slot.setdefault(peer, {}).setdefault(t, []).append(msg)
-    return {
-        peer: [sorted(groups[t], key=lambda m: ranks[m.src] != min(rank, peer)) for t in sorted(groups)]
-        for peer, groups in by_slot.items()
-    }
+                    by_key.setdefault((t, min(src, dst), max(src, dst)), []).append(msg)
+    order = []
+    for (_, low, high), group in sorted(by_key.items()):
+        group.sort(key=lambda m: ranks[m.src] != low)  # stable: the sender's own order inside
+        order.append((high if low == rank else low, group))
+    return order
+
+
+def peer_groups(
+    pipe, rank: int, slots: list[list[schedule.Action | None]], ranks: tuple[int, ...], with_gradients: bool
+) -> dict[int, list[list[Message]]]:
+    """For each other pipeline rank: the groups of messages between it and `rank`, in posting order."""
+    out: dict[int, list[list[Message]]] = {}
+    for peer, group in posting_order(pipe, rank, slots, ranks, with_gradients):
+        out.setdefault(peer, []).append(group)
+    return out
 
 
 class OrderedChannels:
@@ -95,31 +120,48 @@ class OrderedChannels:
         self._stage_ranks, self._group_ranks = tuple(stage_ranks), group_ranks
         self._device = device
         self._slots = slots
-        self._orders: dict[bool, dict[int, list[list[Message]]]] = {}
-        self._groups: dict[int, list[list[Message]]] | None = None
+        self._orders: dict[bool, list[tuple[int, list[Message]]]] = {}
+        self._order: list[tuple[int, list[Message]]] | None = None
+        self._connected = False
         self._reset()
 
     def _reset(self) -> None:
-        self._groups = None
-        self._group_of: dict[Message, int] = {}
-        self._next: dict[int, int] = {}  # peer -> its first group not yet posted
+        self._order = None
+        self._position: dict[Message, int] = {}  # message -> its group's place in the order
+        self._next = 0  # the first group not yet posted
         self._outbox: dict[Message, torch.Tensor] = {}
         self._received: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
         self._sends: list[dist.Work] = []
 
     def start(self, with_gradients: bool) -> None:
         """At a step's first message: this step's order (with gradients if it runs backward)."""
+        if not self._connected:
+            self._connect()
+        self._order = self._order_for(with_gradients)
+        self._position = {m: i for i, (_, group) in enumerate(self._order) for m in group}
+        self._next = 0
+
+    def _connect(self) -> None:
+        """One element to or from every peer, in pair order (sorted peers: pairs (peer, rank) then
+        (rank, peer)), each waited for: creates the pair communicators one at a time, in an order
+        no two ranks can disagree on (see the module's docstring)."""
+        peers = sorted({peer for peer, _ in self._order_for(True)})  # a training step's: every peer
+        for peer in peers:
+            token = torch.zeros(1, device=self._device)
+            op = dist.isend if self._rank < peer else dist.irecv
+            op(token, self._group_ranks[peer], self._group, tag=0).wait()
+        self._connected = True
+
+    def _order_for(self, with_gradients: bool) -> list[tuple[int, list[Message]]]:
         if with_gradients not in self._orders:
-            self._orders[with_gradients] = peer_groups(
+            self._orders[with_gradients] = posting_order(
                 self._pipe, self._rank, self._slots, self._stage_ranks, with_gradients
             )
-        self._groups = self._orders[with_gradients]
-        self._group_of = {m: i for groups in self._groups.values() for i, g in enumerate(groups) for m in g}
-        self._next = dict.fromkeys(self._groups, 0)
+        return self._orders[with_gradients]
 
     @property
     def started(self) -> bool:
-        return self._groups is not None
+        return self._order is not None
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:
         self._check_known(msg)
@@ -127,26 +169,22 @@ class OrderedChannels:
 
     def flush(self) -> None:
         """Posts the groups holding this action's sends (and every group before them)."""
-        last: dict[int, int] = {}
-        for msg in self._outbox:
-            peer = self._stage_ranks[msg.dst]
-            last[peer] = max(last.get(peer, -1), self._group_of[msg])
-        for peer, upto in sorted(last.items()):
-            self._advance(peer, upto)
+        if self._outbox:
+            self._advance(max(self._position[msg] for msg in self._outbox))
 
     def wait(self, msg: Message) -> torch.Tensor:
         """The received tensor of `msg`, posting its group (and earlier ones) first if need be."""
         self._check_known(msg)
         if msg not in self._received:
-            self._advance(self._stage_ranks[msg.src], self._group_of[msg])
+            self._advance(self._position[msg])
         buffer, work = self._received.pop(msg)
         work.wait()
         return buffer
 
     def finish_step(self) -> list[dist.Work]:
         """The step's sends to wait for; raises if the step left part of its order unposted."""
-        if self._groups is not None:
-            left = [p for p, groups in self._groups.items() if self._next[p] < len(groups)]
+        if self._order is not None:
+            left = sorted({peer for peer, _ in self._order[self._next :]})
             if left or self._received or self._outbox:
                 self._reset()
                 raise RuntimeError(
@@ -160,22 +198,22 @@ class OrderedChannels:
         return sends
 
     def _check_known(self, msg: Message) -> None:
-        if msg not in self._group_of:
+        if msg not in self._position:
             raise RuntimeError(
                 f"smp: pipeline rank {self._rank}'s message {msg} is not in the order derived from "
                 "the schedule (a step that runs model.backward must start with grad mode on)"
             )
 
-    def _advance(self, peer: int, upto: int) -> None:
-        groups = self._groups[peer]
-        for g in range(self._next[peer], upto + 1):
-            ops, received = [], []
-            for msg in groups[g]:
+    def _advance(self, upto: int) -> None:
+        """Posts the groups of the order up to and including the `upto`-th."""
+        for g in range(self._next, upto + 1):
+            peer, group = self._order[g]
+            for msg in group:
                 if self._stage_ranks[msg.dst] == self._rank:
                     value = self._pipe.values[msg.name]
                     buffer = torch.empty(value.shape, dtype=value.dtype, device=self._device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, self._group_ranks[peer], self._group, tag=0))
-                    received.append((msg, buffer))
+                    work = dist.irecv(buffer, self._group_ranks[peer], self._group, tag=0)
+                    self._received[msg] = (buffer, work)
                 else:
                     if msg not in self._outbox:
                         raise RuntimeError(
@@ -183,24 +221,5 @@ class OrderedChannels:
                             "the schedule's message order is broken (a bug in smp)"
                         )
                     tensor = self._outbox.pop(msg)
-                    ops.append(dist.P2POp(dist.isend, tensor, self._group_ranks[peer], self._group, tag=0))
-            works = _post(ops)
-            self._next[peer] = g + 1
-            for op, work in zip(ops, works, strict=True):
-                if op.op is dist.isend:
-                    self._sends.append(work)
-            by_buffer = {id(op.tensor): work for op, work in zip(ops, works, strict=True)}
-            for msg, buffer in received:
-                self._received[msg] = (buffer, by_buffer[id(buffer)])
-
-
-def _post(ops: list) -> list:
-    """A group's operations at once: NCCL runs them as one group, so a send and a receive that
-    wait on each other cannot deadlock; Gloo posts them in this order (sends do not block)."""
-    if not ops:
-        return []
-    if ops[0].tensor.is_cuda:
-        return dist.batch_isend_irecv(ops)
-    # Gloo: batch_isend_irecv gives no work per operation there; posting one by one in the
-    # group's order is the same to Gloo, whose sends do not wait for the receiver.
-    return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+                    self._sends.append(dist.isend(tensor, self._group_ranks[peer], self._group, tag=0))
+            self._next = g + 1
