@@ -173,7 +173,7 @@ class StageRuntime:
         links = self._links
         for name, tensor in produced.items():
             value = values[name]
-            _check_sendable(name, tensor, self.index)
+            _check_sendable(value, tensor, self.index, links.device if links.ordered is not None else None)
             data = tensor.detach().contiguous()
             for dst in value.consumers:
                 self._send(data, dst, _ACTIVATION, k, name)
@@ -339,11 +339,27 @@ class StageRuntime:
         return value
 
 
-def _check_sendable(name: str, tensor: torch.Tensor, stage: int) -> None:
-    """Messages carry dense (strided) tensors; a non-contiguous one is made contiguous on the way."""
+def _check_sendable(value: Value, tensor: torch.Tensor, stage: int, device: torch.device | None) -> None:
+    """Messages carry dense (strided) tensors of the shape and dtype the capture saw (receivers size
+    their buffers from it: NCCL would hang or mix up data, not fail, on a mismatch) and, on the
+    ordered path, on the pipeline's device (`device`). A non-contiguous one is made contiguous."""
+    name = value.name
     if tensor.layout != torch.strided:
         raise ValueError(
             f"smp: the model's value {name!r}, computed on pipeline stage {stage}, is a {tensor.layout} "
             "tensor, which the pipeline cannot send between stages; return it dense (tensor.to_dense()) "
             "and convert it after the model's call"
+        )
+    if tuple(tensor.shape) != tuple(value.shape) or tensor.dtype != value.dtype:
+        raise ValueError(
+            f"smp: the model's value {name!r}, computed on pipeline stage {stage}, is "
+            f"{tuple(tensor.shape)} {tensor.dtype}, but the stage graph was captured with "
+            f"{tuple(value.shape)} {value.dtype}, which the receiving stage expects; run every step "
+            "under the autocast setting of the step that captured the graph (the first)"
+        )
+    if device is not None and tensor.device != device:
+        raise ValueError(
+            f"smp: the model's value {name!r}, computed on pipeline stage {stage}, is on {tensor.device}, "
+            f"but the pipeline sends on {device}; create tensors inside the model on the input's device "
+            "(e.g. torch.arange(n, device=x.device))"
         )
