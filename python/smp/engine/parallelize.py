@@ -57,11 +57,10 @@ class Parallelized:
 
 def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
     """Data parallelism alone: the module runs whole on this rank's device."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = _rank_device()
     if delayed_init.is_delayed(module):
-        _materialize(module, {}, device or torch.device("cpu"), config.tensor_parallel_seed, groups)
-    if device is not None:
-        module.to(device)
+        _materialize(module, {}, device, config.tensor_parallel_seed, groups)
+    module.to(device)
     tensors = list(module.parameters()) + list(module.buffers())
     grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
     return Parallelized(runtimes={}, shard_specs={}, shared=(), stage_reads={}, grad_group=grad_group)
@@ -85,7 +84,7 @@ def parallelize(
     The graph is captured in the current train/eval mode and in the opposite one, while every
     parameter still exists: switching modes later picks the other graph.
     """
-    device = _input_device(args, kwargs)
+    device = _rank_device()
     delayed = delayed_init.is_delayed(module)
     if delayed:  # capture on meta tensors; only this rank's part is ever allocated
         if trace_execution_times:
@@ -246,10 +245,10 @@ def _opposite_mode(module: nn.Module):
             m.training = training
 
 
-def _input_device(args: tuple, kwargs: dict) -> torch.device:
-    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
+def _rank_device() -> torch.device:
+    """Where this rank's part of the model runs: its GPU wherever there is one (as place_whole, and
+    as SMP does), also when the batch comes on the CPU (smp.step moves CPU inputs there; building
+    on the inputs' device would silently train on the CPU of a GPU machine)."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

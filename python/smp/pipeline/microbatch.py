@@ -73,7 +73,8 @@ class Microbatch:
         self._paused = False
         self._turn = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
-        # The thread starts with the caller's grad mode, autocast and CUDA device, which are per thread.
+        # The thread starts with the caller's grad mode, autocast, CUDA device and stream, which are
+        # per thread (W and the step's end run on the caller's thread: one stream for all).
         self._grad_enabled = torch.is_grad_enabled()
         self._autocast = [
             (device, torch.get_autocast_dtype(device))
@@ -81,6 +82,7 @@ class Microbatch:
             if torch.is_autocast_enabled(device)
         ]
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._stream = torch.cuda.current_stream() if self._device is not None else None
         self._started = False
         self._finished = threading.Event()
 
@@ -128,6 +130,8 @@ class Microbatch:
                 modes.enter_context(torch.set_grad_enabled(self._grad_enabled))
                 for device, dtype in self._autocast:
                     modes.enter_context(torch.autocast(device, dtype=dtype))
+                if self._stream is not None:
+                    modes.enter_context(torch.cuda.stream(self._stream))
                 self.result = self._fn(*self._args, **self._kwargs)
         except Aborted:
             pass
