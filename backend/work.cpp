@@ -59,7 +59,11 @@ bool NamedWork::wait(std::chrono::milliseconds timeout) {
     return true;
   }
   try {
-    const bool done = named([&] {
+    // A successful wait is not final: on NCCL it only makes the caller's
+    // stream wait, so the GPU may still run the operation (isCompleted must
+    // keep asking the inner work, for the throttle), and a wait from another
+    // thread must order that thread's stream too.
+    return named([&] {
       const bool ok = inner_->wait(timeout);
       // Future-backed work (torch's FutureWrappingWork) does not throw from
       // wait() when its future failed; a failure must never pass silently.
@@ -68,10 +72,6 @@ bool NamedWork::wait(std::chrono::milliseconds timeout) {
       }
       return ok;
     });
-    if (done) {
-      finished_.store(true, std::memory_order_release);
-    }
-    return done;
   } catch (...) {
     // A failed or timed-out wait is final too: waiting again would wait on
     // a broken (Gloo: drained) inner work for another full timeout.

@@ -49,7 +49,7 @@ class NamedWork : public c10d::Work {
   const char* op_;
   std::shared_ptr<const std::string> label_;  // shared: no copy per op
   std::mutex waitMu_;  // one wait on the inner work at a time
-  // Set once a wait() finished; error_ is written before, read after it.
+  // Set once a wait() failed; error_ is written before, read after it.
   std::atomic<bool> finished_{false};
   std::exception_ptr error_;  // the named error of the first wait, if any
 };
