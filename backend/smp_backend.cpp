@@ -143,7 +143,8 @@ WorkPtr SmpBackend::dispatch(const char* op, OpKind kind,
     route.throttle->launch(op, kind, [&]() -> std::shared_ptr<Completion> {
       WorkPtr work = call(backend);
       if (work) {
-        named = c10::make_intrusive<NamedWork>(work, op, route.label);
+        named = c10::make_intrusive<NamedWork>(work, op, route.label,
+                                               device.is_cuda());
       }
       if (kind == OpKind::kPointToPoint) {
         return nullptr;  // tracked by nobody: see throttle.h
@@ -185,7 +186,8 @@ WorkPtr SmpBackend::joinBatch(const char* op, OpKind kind,
   if (!work) {
     return work;
   }
-  WorkPtr named = c10::make_intrusive<NamedWork>(work, op, route.label);
+  WorkPtr named = c10::make_intrusive<NamedWork>(work, op, route.label,
+                                                 /*onDevice=*/false);
   batch_.glooWorks.push_back(named);
   return named;
 }
@@ -428,7 +430,8 @@ WorkPtr SmpBackend::endCoalescing() {
           WorkPtr work = cuda_.backend->endCoalescing();
           if (work) {
             named =
-                c10::make_intrusive<NamedWork>(work, "coalesced", cuda_.label);
+                c10::make_intrusive<NamedWork>(work, "coalesced", cuda_.label,
+                                               /*onDevice=*/true);
           }
           if (batch.kind == OpKind::kPointToPoint) {
             return nullptr;

@@ -11,8 +11,11 @@
 namespace smp {
 
 NamedWork::NamedWork(c10::intrusive_ptr<c10d::Work> inner, const char* op,
-                     std::shared_ptr<const std::string> label)
-    : inner_(std::move(inner)), op_(op), label_(std::move(label)) {}
+                     std::shared_ptr<const std::string> label, bool onDevice)
+    : inner_(std::move(inner)),
+      op_(op),
+      label_(std::move(label)),
+      onDevice_(onDevice) {}
 
 template <typename F>
 auto NamedWork::named(F&& f) -> decltype(f()) {
@@ -59,11 +62,7 @@ bool NamedWork::wait(std::chrono::milliseconds timeout) {
     return true;
   }
   try {
-    // A successful wait is not final: on NCCL it only makes the caller's
-    // stream wait, so the GPU may still run the operation (isCompleted must
-    // keep asking the inner work, for the throttle), and a wait from another
-    // thread must order that thread's stream too.
-    return named([&] {
+    const bool done = named([&] {
       const bool ok = inner_->wait(timeout);
       // Future-backed work (torch's FutureWrappingWork) does not throw from
       // wait() when its future failed; a failure must never pass silently.
@@ -72,6 +71,10 @@ bool NamedWork::wait(std::chrono::milliseconds timeout) {
       }
       return ok;
     });
+    if (done && !onDevice_) {  // see the class comment
+      finished_.store(true, std::memory_order_release);
+    }
+    return done;
   } catch (...) {
     // A failed or timed-out wait is final too: waiting again would wait on
     // a broken (Gloo: drained) inner work for another full timeout.

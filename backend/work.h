@@ -17,17 +17,19 @@ namespace smp {
 // in any error it raises, so a failure deep in Gloo or NCCL says which
 // collective of which group broke.
 //
-// The inner work is waited on at most once to completion: the first wait()
-// that finishes (the throttle's or the caller's) is remembered, success or
-// error, and every later wait() returns it at once. Gloo's send and recv
-// works must not be waited twice: each wait consumes one completion of the
-// underlying buffer, so a second blocks until the timeout. The remembered
-// outcome also makes the work read as completed where the inner work never
-// says so itself.
+// A failed wait() is remembered and every later wait() raises it at once.
+// On the host (Gloo) a successful one is remembered too: Gloo's send and recv
+// works must not be waited twice (each wait consumes one completion of the
+// underlying buffer, so a second blocks until the timeout), and the
+// remembered outcome makes the work read as completed where the inner work
+// never says so itself. On CUDA (NCCL) it is not: wait() only makes the
+// caller's stream wait, so the GPU may still run the operation (isCompleted
+// keeps asking the inner work, for the throttle), and another thread's wait
+// must order its own stream.
 class NamedWork : public c10d::Work {
  public:
   NamedWork(c10::intrusive_ptr<c10d::Work> inner, const char* op,
-            std::shared_ptr<const std::string> label);
+            std::shared_ptr<const std::string> label, bool onDevice);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -48,8 +50,9 @@ class NamedWork : public c10d::Work {
   c10::intrusive_ptr<c10d::Work> inner_;
   const char* op_;
   std::shared_ptr<const std::string> label_;  // shared: no copy per op
-  std::mutex waitMu_;  // one wait on the inner work at a time
-  // Set once a wait() failed; error_ is written before, read after it.
+  const bool onDevice_;  // a CUDA operation: a successful wait is not final
+  std::mutex waitMu_;    // one wait on the inner work at a time
+  // Set once a wait() is final; error_ is written before, read after it.
   std::atomic<bool> finished_{false};
   std::exception_ptr error_;  // the named error of the first wait, if any
 };
