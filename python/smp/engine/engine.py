@@ -28,7 +28,7 @@ from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
 from smp.engine import model_state, recapture, signatures
-from smp.engine.parallelize import Parallelized, parallelize, place_whole, training_flags
+from smp.engine.parallelize import Parallelized, parallelize, place_whole, rank_device, training_flags
 from smp.engine.protocol import GradientConsumer
 from smp.finite_check import FiniteCheck
 from smp.parallel_state import ParallelGroups
@@ -245,6 +245,7 @@ class Engine:
     # --- one microbatch ----------------------------------------------------------------
 
     def forward(self, mb: Microbatch, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = _on_device((args, kwargs), rank_device())  # CPU batches on a GPU rank
         if self.dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.dtype)
         if not self.captures:
@@ -531,6 +532,19 @@ class Engine:
 
 def _requires_grad(module: nn.Module) -> dict[str, bool]:
     return {name: p.requires_grad for name, p in module.named_parameters()}
+
+
+def _on_device(tree, device: torch.device):
+    """CPU tensors moved to `device` (smp.step accepts CPU batches on a GPU rank and has checked
+    that no tensor is on another accelerator): the capture and the stages then see the rank's
+    device, as the module is there (a tensor made inside from x.device follows)."""
+    if device.type == "cpu":
+        return tree
+
+    def move(x):
+        return x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+
+    return torch.utils._pytree.tree_map(move, tree)
 
 
 def _cast_floating(tree, dtype: torch.dtype):

@@ -57,7 +57,7 @@ class Parallelized:
 
 def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
     """Data parallelism alone: the module runs whole on this rank's device."""
-    device = _rank_device()
+    device = rank_device()
     if delayed_init.is_delayed(module):
         _materialize(module, {}, device, config.tensor_parallel_seed, groups)
     module.to(device)
@@ -84,7 +84,7 @@ def parallelize(
     The graph is captured in the current train/eval mode and in the opposite one, while every
     parameter still exists: switching modes later picks the other graph.
     """
-    device = _rank_device()
+    device = rank_device()
     delayed = delayed_init.is_delayed(module)
     if delayed:  # capture on meta tensors; only this rank's part is ever allocated
         if trace_execution_times:
@@ -245,7 +245,7 @@ def _opposite_mode(module: nn.Module):
             m.training = training
 
 
-def _rank_device() -> torch.device:
+def rank_device() -> torch.device:
     """Where this rank's part of the model runs: its GPU wherever there is one (as place_whole, and
     as SMP does), also when the batch comes on the CPU (smp.step moves CPU inputs there; building
     on the inputs' device would silently train on the CPU of a GPU machine)."""
