@@ -122,7 +122,9 @@ class RankRuntime:
         self._check_inputs(flat)
         ordered = self._links.ordered
         if ordered is not None and not ordered.started:
-            ordered.start(with_gradients=torch.is_grad_enabled())
+            links = self._links
+            with faults.waiting(f"pipeline rank {links.rank} connecting to its peers", links.group_name()):
+                ordered.start(with_gradients=torch.is_grad_enabled())
         produced: dict[int, dict[str, torch.Tensor]] = {}
         for i, stage in enumerate(self.stages):
             if i:
