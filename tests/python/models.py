@@ -151,18 +151,21 @@ class TwiceCalled(nn.Module):
 class LongSkip(nn.Module):
     """A skip connection from the first layer to the last crosses every stage boundary."""
 
-    def __init__(self, dim: int = 16, layers: int = 4):
+    def __init__(self, dim: int = 16, layers: int = 4, middle_outputs: bool = False):
         super().__init__()
+        self.middle_outputs = middle_outputs  # also return a middle layer's output and the first's
         self.inp = nn.Linear(dim, dim)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers))
         self.out = nn.Linear(dim, 1)
 
     def forward(self, x):
         first = torch.tanh(self.inp(x))
-        y = first
+        y, middles = first, []
         for layer in self.layers:
             y = layer(y)
-        return self.out(y + first)
+            middles.append(y)
+        out = self.out(y + first)
+        return (out, middles[len(middles) // 2], first) if self.middle_outputs else out
 
 
 class DictInTupleOut(nn.Module):

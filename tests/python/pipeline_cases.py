@@ -92,6 +92,13 @@ CASES = {
     "forms": lambda: gpt_case(layers=2, attention=models.RawLinearAttention, mlp=models.EinsumMLP),
     "twice": lambda: _regression_case(models.TwiceCalled()),
     "skip": lambda: _regression_case(models.LongSkip()),
+    # ... also returning a middle layer's output and the first's: earlier stages send model outputs.
+    "skip_middle_outputs": lambda: (
+        models.LongSkip(middle_outputs=True),
+        _regression_batch,
+        lambda m, b: m(b["x"]),
+        lambda out, b: F.mse_loss(out[0], b["y"]) + 0.1 * out[1].pow(2).mean() + 0.1 * out[2].pow(2).mean(),
+    ),
     "normed": lambda: _regression_case(models.Normed()),
     "dict": dict_case,
     "returns_twice": lambda: (

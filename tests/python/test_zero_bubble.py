@@ -89,6 +89,19 @@ def _skip_runs(world: int) -> list[tuple[str, dict, dict]]:
     ]
 
 
+def _middle_output_runs(world: int) -> list[tuple[str, dict, dict]]:
+    """Model outputs from the first and a middle stage too (sent to every rank), on the ordered path
+    at pp = 4, where they cross pairs of ranks in the one global posting order."""
+    if world != 4:
+        return []
+    ordered = {"pipeline_parallel_degree": 4} | ORDERED
+    return [
+        (f"middle outputs ordered {name}", ordered | {"microbatches": m, "pipeline": name}, {})
+        for m in (2, 4)
+        for name in schedule.SCHEDULES
+    ]
+
+
 def _frozen_runs(world: int) -> list[tuple[str, dict, dict]]:
     """Fine-tuning with frozen parts (pipeline_cases.frozen_case): a frozen linear is still tapped
     (its input's gradient flows through it at B), and W gives it no gradient."""
@@ -108,7 +121,12 @@ def _matrix(rank, world_size):
     keep = ("loss_err", "param_err", "grad_err", "activation_peak", "kept_gradients_peak", "losses")
     keep += ("norm0", "ref_norm0")
     out = []
-    cases = (("gpt", _gpt_runs), ("skip", _skip_runs), ("frozen", _frozen_runs))
+    cases = (
+        ("gpt", _gpt_runs),
+        ("skip", _skip_runs),
+        ("skip_middle_outputs", _middle_output_runs),
+        ("frozen", _frozen_runs),
+    )
     for case, runs in ((case, make(world_size)) for case, make in cases):
         if not runs:
             continue
@@ -153,7 +171,8 @@ def test_zero_bubble_and_ordered_messages_parity_matrix(world):
     """zero_bubble at pp in {2, 4} x dp in {1, 2} x m in {1, 2, 4, 8} (and pp=2 x tp=2 x rdp=2 with
     sharded optimizer state), zero_bubble_v at the same layouts, and every schedule over the same
     matrix on the ordered single-tag path, each trained 3 Adam steps against one process; the
-    model with a skip across every stage too. World 4 also compares the saved-activation peaks
+    model with a skip across every stage too (at pp = 4 also returning earlier stages' outputs, on
+    the ordered path). World 4 also compares the saved-activation peaks
     of zero_bubble, zero_bubble_v and interleaved."""
     per_rank = run_ranks(_matrix, world, timeout=1100)
     _check(per_rank)
@@ -339,17 +358,19 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
         assert model.frozen.weight.grad is None and model.frozen.bias.grad is None
 
 
-def _pipe(stages: int):
-    """A pipeline of `stages` stages whose first layer's output skips to the last stage."""
+def _pipe(stages: int, middle_outputs: bool = False):
+    """A pipeline of `stages` stages whose first layer's output skips to the last stage (and, with
+    middle_outputs, is returned with a middle layer's, so earlier stages send model outputs too)."""
     torch.manual_seed(0)
-    captured = passes.capture(models.LongSkip(layers=stages), (torch.randn(4, 16),))
+    model = models.LongSkip(layers=stages, middle_outputs=middle_outputs)
+    captured = passes.capture(model, (torch.randn(4, 16),))
     passes.cost.annotate(captured.graph_module)
     pipe = passes.split(captured, passes.auto_partition(captured.graph_module, stages))
     assert len(pipe.stages) == stages
     return pipe
 
 
-def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
+def _replay_ordered(pipe, name: str, pp: int, m: int, active: int, with_gradients: bool) -> None:
     """Runs every rank's action list against the ordered path's posting rules, with NCCL's
     semantics for batched point-to-point operations: each rank's groups run on one stream, in the
     order posted, and a group completes once both its ranks have posted it and everything they
@@ -360,8 +381,8 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
     sender must have run first."""
     ranks = schedule.stage_ranks(name, pp)
     slots = schedule.unit_time_slots(name, pp, m, active)
-    orders = {r: message_order.posting_order(pipe, r, slots, ranks, True) for r in range(pp)}
-    groups = {r: message_order.peer_groups(pipe, r, slots, ranks, True) for r in range(pp)}
+    orders = {r: message_order.posting_order(pipe, r, slots, ranks, with_gradients) for r in range(pp)}
+    groups = {r: message_order.peer_groups(pipe, r, slots, ranks, with_gradients) for r in range(pp)}
     for a in range(pp):
         for b, gs in groups[a].items():
             assert gs == groups[b][a], (name, pp, m, a, b)
@@ -429,7 +450,9 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
             needed = local.get(action.kind)
             if needed is not None and 0 <= needed[2] < len(ranks) and ranks[needed[2]] == r:
                 assert needed in ran, ("a stage of the same rank did not run first", name, pp, m, action)
-            sent = message_order.sent_by(pipe, action.stage, action.kind, action.microbatch, True, ranks)
+            sent = message_order.sent_by(
+                pipe, action.stage, action.kind, action.microbatch, with_gradients, ranks
+            )
             produced.update(sent)
             if sent:  # flush()
                 post_upto(r, max(position[r][msg] for msg in sent))
@@ -452,12 +475,15 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int) -> None:
 
 def test_ordered_message_order_agrees_and_completes_up_to_pp8():
     """The ordered path's order, derived from the schedule data, for every schedule, pp 2 to 8,
-    m from 1 to 8 (odd ones too) and a skip connection across every stage: both ends of every pair
-    agree on it, and replaying the action lists under NCCL's matching and its one stream per rank
-    for batched operations never deadlocks (the multi-process tests run it for real at pp 2 and 4)."""
+    m from 1 to 8 (odd ones too), a skip connection across every stage, model outputs from the
+    last stage only or from earlier stages too, training and evaluation steps: both ends of every
+    pair agree on it, and replaying the action lists under NCCL's matching and one stream per rank
+    for all its operations never deadlocks (the multi-process tests run it for real at pp 2 and 4)."""
     for pp in (2, 3, 4, 8):
         for name in schedule.SCHEDULES:
-            pipe = _pipe(len(schedule.stage_ranks(name, pp)))
-            for m in (1, 2, 3, 4, 5, 8):
-                for active in (1, pp, pp + 2):
-                    _replay_ordered(pipe, name, pp, m, active)
+            for middle_outputs in (False, True):
+                pipe = _pipe(len(schedule.stage_ranks(name, pp)), middle_outputs)
+                for m in (1, 2, 3, 4, 5, 8):
+                    for active in (1, pp, pp + 2):
+                        for with_gradients in (True, False):
+                            _replay_ordered(pipe, name, pp, m, active, with_gradients)
