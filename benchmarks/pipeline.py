@@ -218,6 +218,8 @@ def measure(args) -> dict | None:
     torch.set_num_threads(1)  # the processes share the machine's cores
     p = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     config = {"pipeline_parallel_degree": p, "microbatches": args.microbatches, "pipeline": args.schedule}
+    if args.ordered:  # the path CUDA tensors take (NCCL's), here over Gloo on one tag
+        config["ordered_messages"] = True
     if args.timeline:  # smp's steps after the warm-up, as a Chrome trace and a picture
         config["timeline"] = {"path": args.timeline, "start": args.warmup + 2, "steps": 4}
     smp.init(config)
@@ -346,6 +348,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--schedule", default="interleaved", help="smp's pipeline schedule")
+    parser.add_argument(
+        "--ordered",
+        action="store_true",
+        help="smp sends on the ordered path (one tag, one global posting order: NCCL's) instead of tags",
+    )
     parser.add_argument(
         "--peers",
         default="1f1b,izb,zbv",
