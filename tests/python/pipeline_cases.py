@@ -215,9 +215,11 @@ def _train_once(smp, case, steps, global_batch, options, ref):
     prescaled = smp.parallel_state.state().config.prescaled_batch
     shards, shard = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(), smp.dp_rank())
     per = global_batch // shards
+    # The batch on the rank's device, as a script would put it (the loss reads it beside the outputs).
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     for s in range(steps):
         b = batch(s, global_batch)
-        local = {k: v[shard * per : (shard + 1) * per] for k, v in b.items()}
+        local = {k: v[shard * per : (shard + 1) * per].to(device) for k, v in b.items()}
         opt.zero_grad()
         loss = train_step(local).reduce_mean()
         if s == 0:
@@ -234,9 +236,9 @@ def _train_once(smp, case, steps, global_batch, options, ref):
     local = dict(dmodel.local_named_parameters())
     if smp.tp_size() > 1:  # compare the full parameters, gathered from their shards
         full = dmodel.state_dict()
-        param_err = max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
+        param_err = max((full[n].cpu() - ref_params[n]).abs().max().item() for n in ref_params)
     else:
-        param_err = max((local[n] - ref_params[n]).abs().max().item() for n in local)
+        param_err = max((local[n].cpu() - ref_params[n]).abs().max().item() for n in local)
     inner_state = [t for v in inner.state.values() for t in v.values() if isinstance(t, torch.Tensor)]
     full_state = opt.state_dict()
     state_err = None
@@ -277,5 +279,5 @@ def _grad_error(dmodel, ref_grads) -> float:
     for name, p in dmodel.local_named_parameters():
         expected = dmodel._local_part(p, ref_grads[name])
         got = p.grad if p.grad is not None else torch.zeros_like(p)
-        err = max(err, (got - expected).abs().max().item() / scale)
+        err = max(err, (got.cpu() - expected).abs().max().item() / scale)  # .cpu(): CUDA runs too
     return err
