@@ -186,11 +186,7 @@ def _makespan(lists: tuple[tuple[Action, ...], ...], costs: Costs) -> float:
         for r, actions in enumerate(lists):
             while at[r] < len(actions):
                 a = actions[at[r]]
-                needed = None
-                if a.kind == "F" and a.stage > 0:
-                    needed = ("F", a.microbatch, a.stage - 1)
-                elif a.kind == "B" and a.stage < last:
-                    needed = ("B", a.microbatch, a.stage + 1)
+                needed = _waits_for(a.kind, a.microbatch, a.stage, last)
                 if needed is not None and needed not in ended:
                     break
                 start = max(free[r], ended[needed] if needed is not None else 0.0)
@@ -222,9 +218,7 @@ def _place(
     total = 3 * microbatches * sum(len(stages) for stages in held)
 
     def arrived(kind: str, k: int, s: int, t: float) -> bool:  # what (kind, k) on s waits for is done
-        needed = ("F", k, s - 1) if kind == "F" and s > 0 else ("B", k, s + 1) if kind == "B" else None
-        if kind == "B" and s == last:
-            needed = None
+        needed = _waits_for(kind, k, s, last)
         return needed is None or finished.get(needed, t + 1) <= t
 
     def choose(rank: int, t: float) -> Action | None:
@@ -300,14 +294,19 @@ def unit_time_slots(
 
 
 def _inputs_ready(action: Action, last_stage: int, finished: dict, t: int) -> bool:
-    s = action.stage
-    if action.kind == "F":
-        needed = ("F", action.microbatch, s - 1) if s > 0 else None
-    elif action.kind == "W":
-        needed = None  # after this stage's own B, which ran earlier in its list
-    else:
-        needed = ("B", action.microbatch, s + 1) if s < last_stage else None
+    needed = _waits_for(action.kind, action.microbatch, action.stage, last_stage)
     return needed is None or finished.get(needed, t) < t
+
+
+def _waits_for(kind: str, k: int, stage: int, last_stage: int) -> tuple[str, int, int] | None:
+    """The action whose message (kind, k) on `stage` waits for, as (kind, k, stage): the stage
+    before's F k for an F, the stage after's B k for a B; None for the first stage's F, the last
+    stage's B, and a W (it follows its own stage's B, earlier in its rank's list)."""
+    if kind == "F" and stage > 0:
+        return ("F", k, stage - 1)
+    if kind == "B" and stage < last_stage:
+        return ("B", k, stage + 1)
+    return None
 
 
 def render_text(schedule: str, num_ranks: int, microbatches: int, active_microbatches: int) -> str:
