@@ -99,16 +99,6 @@ def posting_order(
     return order
 
 
-def peer_groups(
-    pipe, rank: int, slots: list[list[schedule.Action | None]], ranks: tuple[int, ...], with_gradients: bool
-) -> dict[int, list[list[Message]]]:
-    """For each other pipeline rank: the groups of messages between it and `rank`, in posting order."""
-    out: dict[int, list[list[Message]]] = {}
-    for peer, group in posting_order(pipe, rank, slots, ranks, with_gradients):
-        out.setdefault(peer, []).append(group)
-    return out
-
-
 class OrderedChannels:
     """One pipeline rank's ordered message path (shared by its stages): sends collected per action
     and posted with flush(), and receives posted group by group as the order says (see the
