@@ -359,7 +359,7 @@ def main() -> None:
         help=f"torch.distributed.pipelining schedules to run, of {','.join(PEERS)}",
     )
     parser.add_argument(
-        "--timeline", help="record 4 of smp's steps into this directory (smp.pipeline.timeline)"
+        "--timeline", help="record 4 of smp's steps into this directory (smp.services.timeline)"
     )
     parser.add_argument("--json", help="rank 0 also writes the results to this file")
     args = parser.parse_args()

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
 
-if TYPE_CHECKING:
-    from .driver import Rewrite
-
-RuleFn = Callable[["Rewrite", fx.Node], None]
+# fn(rewrite, node): `rewrite` is the driver's Rewrite. The table does not name its type: the
+# driver looks rules up here, so importing it back would tie the two into a circle.
+RuleFn = Callable[[Any, fx.Node], None]
 
 
 @dataclasses.dataclass(frozen=True)

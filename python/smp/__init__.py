@@ -57,8 +57,8 @@ from smp.parallel_state import (
     tp_size,
 )
 from smp.pipeline.partitioning import partition, set_partition
-from smp.pipeline.timeline import write as write_timeline
 from smp.planner import plan as plan  # the config planner (python -m smp.plan is smp/plan.py)
+from smp.services.timeline import write as write_timeline
 from smp.step import StepOutput, step
 from smp.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
 from smp.topology import CommGroup, RankType, Topology

@@ -62,7 +62,7 @@ TIMELINE_VAR = "SMP_TIMELINE"  # a directory: the timeline on, written there
 
 @dataclasses.dataclass(frozen=True)
 class TimelineOptions:
-    """What the pipeline timeline records and when it writes (see smp.pipeline.timeline)."""
+    """What the pipeline timeline records and when it writes (see smp.services.timeline)."""
 
     path: str = "smp_timeline"  # the directory rank 0 writes timeline.json and timeline.png in
     start: int = 1  # the first step recorded (1: the first @smp.step call)
@@ -107,7 +107,7 @@ class Config:
     # (on with debug too); fp16 loss scaling's overflow handling is unchanged.
     check_finite: bool = False
     # Record each rank's pipeline actions, messages and gradient buckets and write a Chrome trace
-    # and a picture (smp.pipeline.timeline). Given as true, a dict of TimelineOptions' fields, or
+    # and a picture (smp.services.timeline). Given as true, a dict of TimelineOptions' fields, or
     # the environment variable SMP_TIMELINE=<dir>; None: off.
     timeline: TimelineOptions | None = None
     # Inputs whose shapes change between steps: each new input signature is captured and cached

@@ -13,7 +13,7 @@ from torch import nn
 from smp import hf, parallel_state, recompute
 from smp.engine import Engine
 from smp.optim import grad_norm
-from smp.pipeline import microbatch
+from smp.services import microbatch
 
 
 class DistributedModel(nn.Module):

@@ -11,7 +11,7 @@ import datetime
 import os
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,10 @@ import torch.distributed as dist
 from smp import config as config_lib
 from smp import faults
 from smp._backend import BACKEND_NAME
-from smp.pipeline import schedule, timeline
+from smp.groups import ParallelGroups
+from smp.pipeline import schedule
+from smp.services import timeline
 from smp.topology import CommGroup, Topology
-
-if TYPE_CHECKING:
-    from smp.model import DistributedModel
 
 
 @dataclasses.dataclass
@@ -40,39 +39,9 @@ class _State:
     # A world group for checkpoints written by a background thread (created at the first).
     checkpoint_group: dist.ProcessGroup | None = None
     # The script's smp.DistributedModel (SMP v1 allows one per process): how @smp.step and
-    # smp.DistributedOptimizer, whose SMP signatures name no model, find it.
-    model: DistributedModel | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelGroups:
-    """This rank's place in the layout and the process groups the engine works over."""
-
-    rank: int
-    topology: Topology
-    pp_rank: int
-    tp_rank: int
-    rdp_rank: int
-    pp: dist.ProcessGroup
-    tp: dist.ProcessGroup
-    dp: dist.ProcessGroup
-    rdp: dist.ProcessGroup
-    pp_ranks: tuple[int, ...]
-    tp_ranks: tuple[int, ...]
-    dp_ranks: tuple[int, ...]
-    rdp_ranks: tuple[int, ...]
-
-    @property
-    def pp_size(self) -> int:
-        return len(self.pp_ranks)
-
-    @property
-    def tp_size(self) -> int:
-        return len(self.tp_ranks)
-
-    @property
-    def rdp_size(self) -> int:
-        return len(self.rdp_ranks)
+    # smp.DistributedOptimizer, whose SMP signatures name no model, find it. Typed Any: the
+    # model sits above this module, which must not import it.
+    model: Any = None
 
 
 _state: _State | None = None

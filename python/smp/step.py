@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from smp import faults, parallel_state
-from smp.pipeline import schedule, timeline
-from smp.pipeline.microbatch import Microbatch
+from smp.pipeline import schedule
+from smp.services import timeline
+from smp.services.microbatch import Microbatch
 
 
 class StepOutput:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from smp.pipeline.activation_meter import SavedActivationMeter
+from smp.services.activation_meter import SavedActivationMeter
 
 SEQ = 64
 GLOBAL_BATCH = 8

@@ -170,7 +170,7 @@ def test_text_rendering():
 
 def test_recorder_windows():
     """Which steps are recorded and when the files are due: `start`, `steps` and `every`."""
-    from smp.pipeline import timeline
+    from smp.services import timeline
 
     def due_steps(**options):
         rec = timeline.Recorder(config.TimelineOptions(**options), {"rank": 0}, 0)
@@ -191,7 +191,7 @@ def test_recorder_windows():
 
 def test_a_later_action_kind_is_drawn_like_the_others():
     """A "W" action (zero-bubble's weight gradient) needs no change: a compute event like F and B."""
-    from smp.pipeline import timeline_files
+    from smp.services import timeline_files
 
     identity = {"rank": 0, "stages": (0,), "tp": 0, "rdp": 0}
     events = [
@@ -206,7 +206,7 @@ def test_a_later_action_kind_is_drawn_like_the_others():
 
 
 def test_a_rank_of_two_stages_is_named_by_both():
-    from smp.pipeline import timeline_files
+    from smp.services import timeline_files
 
     assert timeline_files.rank_name({"rank": 1, "stages": (1, 2), "tp": 0, "rdp": 1}) == (
         "rank 1 (stages 1, 2, tp 0, rdp 1)"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp import params as param_facts
-from smp.pipeline import microbatch, timeline
+from smp.services import microbatch, timeline
 
 
 @dataclasses.dataclass

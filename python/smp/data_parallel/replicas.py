@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from smp import passes
 from smp._backend import BACKEND_NAME
-from smp.parallel_state import ParallelGroups
+from smp.groups import ParallelGroups
 from smp.topology import CommGroup
 
 # (parameter path, the parameter, the group of the stages holding a copy of it)

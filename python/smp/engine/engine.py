@@ -31,11 +31,11 @@ from smp.engine import model_state, recapture, signatures
 from smp.engine.parallelize import Parallelized, parallelize, place_whole, rank_device, training_flags
 from smp.engine.protocol import GradientConsumer
 from smp.finite_check import FiniteCheck
-from smp.parallel_state import ParallelGroups
+from smp.groups import ParallelGroups
 from smp.pipeline import schedule
-from smp.pipeline.activation_meter import SavedActivationMeter
-from smp.pipeline.microbatch import Microbatch
 from smp.pipeline.rank_runtime import RankRuntime
+from smp.services.activation_meter import SavedActivationMeter
+from smp.services.microbatch import Microbatch
 from smp.tensor_parallel import inputs as tp_inputs
 
 

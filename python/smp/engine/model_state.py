@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp import passes
-from smp.parallel_state import ParallelGroups
+from smp.groups import ParallelGroups
 from smp.sliced import Placement, Slices
 
 

@@ -20,7 +20,7 @@ from smp import passes, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.engine import compiled, delayed_init, recapture
-from smp.parallel_state import ParallelGroups
+from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline import placement, schedule
 from smp.pipeline.partitioning import module_partitions

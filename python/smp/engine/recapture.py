@@ -21,7 +21,7 @@ from torch import nn
 from smp import passes, recompute
 from smp.config import Config
 from smp.engine import compiled, delayed_init
-from smp.parallel_state import ParallelGroups
+from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline.rank_runtime import RankRuntime
 from smp.tensor_parallel.shard import shard_following

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from smp import faults
 from smp.passes import PipelineGraph
-from smp.pipeline import activation_meter, message_order
+from smp.pipeline import message_order
 from smp.pipeline.stage import Links, StageRuntime
+from smp.services import activation_meter
 
 _warned_host_staging: list[bool] = []  # a CUDA pipeline on the tagged path says so once
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from smp import faults
 from smp.passes import PipelineGraph, Value
-from smp.pipeline import activation_meter, message_order, split_backward, timeline
+from smp.pipeline import message_order, split_backward
+from smp.services import activation_meter, timeline
 
 _ACTIVATION, _OUTPUT, _GRADIENT = message_order.ACTIVATION, message_order.OUTPUT, message_order.GRADIENT
 _KIND_NAMES = ("activation", "output", "gradient")

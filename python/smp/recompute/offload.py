@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from smp.pipeline.activation_meter import parameter_storages
+from smp.services.activation_meter import parameter_storages
 
 
 class _Offloaded:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from smp.parallel_state import ParallelGroups
+from smp.groups import ParallelGroups
 
 
 def combine(

@@ -1,4 +1,4 @@
-"""The timeline's files, from every rank's events (smp.pipeline.timeline gathers them on rank 0).
+"""The timeline's files, from every rank's events (smp.services.timeline gathers them on rank 0).
 
 `ranks` is a list, one entry per rank: (identity, events), identity {"rank", "stage", "tp",
 "rdp"}, each event (kind, start_ns, end_ns, step, fields) on rank 0's clock.

@@ -186,7 +186,7 @@ def write(path: str | None = None) -> str | None:
         dist.gather_object(mine, gathered, dst=0, group=_group)
     if gathered is None:
         return None
-    from smp.pipeline import timeline_files  # matplotlib is imported only by the rank that draws
+    from smp.services import timeline_files  # matplotlib is imported only by the rank that draws
 
     directory = path or rec.options.path
     os.makedirs(directory, exist_ok=True)

@@ -1,0 +1,44 @@
+"""ParallelGroups: this rank's place in the layout and its process groups, as one value.
+
+The engine and every parallelism take it as an explicit argument; only the SMP v1 API
+(smp.parallel_state) builds it from the process-global state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from smp.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the layout and the process groups the engine works over."""
+
+    rank: int
+    topology: Topology
+    pp_rank: int
+    tp_rank: int
+    rdp_rank: int
+    pp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    rdp: dist.ProcessGroup
+    pp_ranks: tuple[int, ...]
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    rdp_ranks: tuple[int, ...]
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.pp_ranks)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def rdp_size(self) -> int:
+        return len(self.rdp_ranks)
