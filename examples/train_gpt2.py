@@ -29,7 +29,7 @@ from pathlib import Path
 
 import smp
 import torch
-from smp.pipeline.schedule import SCHEDULES
+from smp.schedules import SCHEDULES
 
 HERE = Path(__file__).resolve().parent
 TIMELINE_START, TIMELINE_STEPS = 11, 3  # a few steps once partitioning and first touches are over

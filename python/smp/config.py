@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from smp import schedules
+
 DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
 LAUNCHER_VAR = "SM_HP_MP_PARAMETERS"  # above it, as on SageMaker
 ENV_VARS = (DEFAULTS_VAR, LAUNCHER_VAR)
@@ -135,6 +137,12 @@ class Config:
             return self.active_microbatches
         return min(self.pipeline_parallel_degree + 2, self.microbatches)
 
+    def schedule(self) -> schedules.Schedule:
+        """The pipeline's schedule under this config."""
+        return schedules.Schedule(
+            self.pipeline, self.pipeline_parallel_degree, self.microbatches, self.num_active_microbatches
+        )
+
     def check_world(self, world_size: int, local_size: int | None = None) -> None:
         """Checks the layout against the processes there are; warns where SMP's advice applies."""
         pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
@@ -158,18 +166,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
-# The pipeline schedules (smp.pipeline.schedule builds their action lists) and the stages each cuts
-# per pipeline rank: "zero_bubble_v" two, in a V.
-PIPELINE_SCHEDULES = {"interleaved": 1, "simple": 1, "zero_bubble": 1, "zero_bubble_v": 2}
-_CHOICES = {"pipeline": tuple(PIPELINE_SCHEDULES), "optimize": ("speed", "memory")}
-
-
-def pipeline_stages(pipeline: str, pipeline_parallel_degree: int) -> int:
-    """How many stages the model is cut into: the stages per rank of the schedule `pipeline` times
-    the pipeline ranks (one stage when there is one rank)."""
-    if pipeline_parallel_degree == 1:
-        return 1
-    return PIPELINE_SCHEDULES[pipeline] * pipeline_parallel_degree
+# The pipeline schedules are smp.schedules' kinds.
+_CHOICES = {"pipeline": schedules.NAMES, "optimize": ("speed", "memory")}
 
 
 _POSITIVE_INTS = (
@@ -393,7 +391,7 @@ def _check_combination(config: Config) -> Config:
             f"smp config: active_microbatches ({config.active_microbatches}) exceeds microbatches "
             f"({config.microbatches}); set active_microbatches <= microbatches"
         )
-    stages = pipeline_stages(config.pipeline, pp)
+    stages = schedules.num_stages(config.pipeline, pp)
     if config.default_partition >= stages:
         counted = "pipeline_parallel_degree" if stages == pp else "the stages, 2 x pipeline_parallel_degree"
         raise ValueError(

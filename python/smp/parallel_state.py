@@ -20,7 +20,6 @@ from smp import config as config_lib
 from smp import faults
 from smp._backend import BACKEND_NAME
 from smp.groups import ParallelGroups
-from smp.pipeline import schedule
 from smp.services import timeline
 from smp.topology import CommGroup, Topology
 
@@ -99,16 +98,16 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
     groups, messaging = kept if kept is not None else _create_groups(topology, rank, group_timeout)
     _state = _State(cfg, topology, rank, local_rank, local_size, groups, messaging)
     faults.install(rank, group_timeout.total_seconds())
-    timeline.start(cfg.timeline, _identity(topology, rank, cfg.pipeline), messaging)
+    timeline.start(cfg.timeline, _identity(topology, rank, cfg), messaging)
 
 
-def _identity(topology: Topology, rank: int, pipeline: str) -> dict[str, Any]:
+def _identity(topology: Topology, rank: int, cfg: config_lib.Config) -> dict[str, Any]:
     """How the timeline names this rank: its place in each parallelism (its pipeline stages: one,
     or two under "zero_bubble_v")."""
     pp_rank = topology.group_rank(CommGroup.PP_GROUP, rank)
     return {
         "rank": rank,
-        "stages": schedule.rank_stages(pipeline, pp_rank, topology.pp),
+        "stages": cfg.schedule().rank_stages(pp_rank),
         "tp": topology.group_rank(CommGroup.TP_GROUP, rank),
         "rdp": topology.group_rank(CommGroup.RDP_GROUP, rank),
     }

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from smp import faults, parallel_state
-from smp.pipeline import schedule
 from smp.services import timeline
 from smp.services.microbatch import Microbatch
 
@@ -111,9 +110,7 @@ def step(
         pieces, batch_size = _split_arguments(bound, m, whole, axes)
         microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
         pp_rank, pp_size = parallel_state.pp_rank(), parallel_state.pp_size()
-        actions = schedule.rank_actions(
-            st.config.pipeline, pp_rank, pp_size, m, st.config.num_active_microbatches
-        )
+        actions = st.config.schedule().actions(pp_rank)
         engine = st.model.engine if st.model is not None else None
         _calls[0] += 1
         action = None

@@ -118,7 +118,7 @@ def test_zero_bubble_v_places_two_half_stages_per_rank():
 def test_step_time_bubble_follows_the_schedule():
     """The bubble is read off the schedule's own timeline: 1F1B's and GPipe's (pp - 1) / m, and
     less for the zero-bubble schedules, ZB-V least."""
-    from smp.pipeline import schedule
+    from smp import schedules as schedule
     from smp.planner.layout import Layout
     from smp.planner.step_time import bubble_share
 

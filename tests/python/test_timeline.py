@@ -9,7 +9,7 @@ import os
 import pytest
 from harness import run_ranks
 from smp import config
-from smp.pipeline import schedule
+from smp import schedules as schedule
 
 M = 4
 SCHEDULES = ("interleaved", "simple")

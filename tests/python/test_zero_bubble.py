@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from harness import run_ranks
 from smp import passes
-from smp.pipeline import message_order, schedule, split_backward
+from smp import schedules as schedule
+from smp.pipeline import message_order, split_backward
 from smp.services import activation_meter
 from torch import nn
 from transformers.pytorch_utils import Conv1D

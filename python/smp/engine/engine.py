@@ -32,7 +32,6 @@ from smp.engine.parallelize import Parallelized, parallelize, place_whole, rank_
 from smp.engine.protocol import GradientConsumer
 from smp.finite_check import FiniteCheck
 from smp.groups import ParallelGroups
-from smp.pipeline import schedule
 from smp.pipeline.rank_runtime import RankRuntime
 from smp.services.activation_meter import SavedActivationMeter
 from smp.services.microbatch import Microbatch
@@ -99,7 +98,8 @@ class Engine:
         self._steps = 0  # steps started
         # NaN/inf report (not in fp16, where they are the loss scaler's overflow signal).
         checks = (config.check_finite or config.debug) and not config.fp16
-        stages = schedule.rank_stages(config.pipeline, groups.pp_rank, groups.pp_size)
+        self.schedule = config.schedule()
+        stages = self.schedule.rank_stages(groups.pp_rank)
         self._finite = FiniteCheck(stages, groups.rank) if checks else None
         if not self.captures:
             self._install(place_whole(module, config, groups))
@@ -297,7 +297,7 @@ class Engine:
 
     @property
     def _defers_weights(self) -> bool:
-        return self.config.pipeline in schedule.SPLIT_BACKWARD
+        return self.schedule.splits_backward
 
     def backward_weights(self, mb: Microbatch, stage: int) -> None:
         """A split-backward schedule's W action: microbatch mb's deferred weight gradients on
@@ -368,12 +368,7 @@ class Engine:
         """What the schedule asks of a new rank runtime (every signature's): the message path,
         and for the split-backward schedules the rewrite that lets weight gradients wait for W."""
         if self.groups.pp_size > 1:
-            slots = schedule.unit_time_slots(
-                self.config.pipeline,
-                self.groups.pp_size,
-                self.config.microbatches,
-                self.config.num_active_microbatches,
-            )
+            slots = self.schedule.slots()
             runtime.order_messages(self.config.ordered_messages, slots)
         if self._defers_weights:
             runtime.defer_weight_gradients()

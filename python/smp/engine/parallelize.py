@@ -22,7 +22,7 @@ from smp.data_parallel import replicas
 from smp.engine import compiled, delayed_init, recapture
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
-from smp.pipeline import placement, schedule
+from smp.pipeline import placement
 from smp.pipeline.partitioning import module_partitions
 from smp.pipeline.rank_runtime import RankRuntime
 from smp.tensor_parallel.coverage import CoverageReport
@@ -98,8 +98,8 @@ def parallelize(
     skeleton = recapture.Skeleton(module)  # before anything is freed or sharded
     retarget = device if delayed else None
     captured = _capture(module, args, kwargs, retarget)
-    stage_ranks = schedule.stage_ranks(config.pipeline, groups.pp_size)
-    own = schedule.rank_stages(config.pipeline, groups.pp_rank, groups.pp_size)
+    stage_ranks = config.schedule().stage_ranks
+    own = config.schedule().rank_stages(groups.pp_rank)
     plan = placement.plan_stages(
         captured,
         captured.flatten_inputs(args, kwargs),

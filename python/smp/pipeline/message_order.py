@@ -3,7 +3,7 @@ one order they derive from the schedule data, as NCCL needs (it matches point-to
 by issue order, not by tag; on CPU the same path runs over Gloo with one tag, which then matches
 by order too, so the ordering is tested without GPUs).
 
-The order. Every action of every rank gets its unit-time slot (schedule.unit_time_slots: an
+The order. Every action of every rank gets its unit-time slot (smp.schedules.unit_time_slots: an
 action's slot is after the slots of the actions whose messages it waits for). The messages an
 action sends get its slot. Between two ranks, the messages in both directions of one slot form a
 group (inside it: by sender, lower rank first, then in the order the sender's action sends them).
@@ -22,7 +22,7 @@ first step every rank exchanges one element with each of its peers, in pair orde
 pair communicators (whose creation blocks until both ranks arrive) all exist before any stage
 waits on a message.
 
-Why it cannot deadlock, given the schedule lists cannot (smp.pipeline.schedule). A rank posts up
+Why it cannot deadlock, given the schedule lists cannot (smp.schedules). A rank posts up
 to a group when one of its actions sends in it (at the action's end), or when it must wait for a
 message in it. Every group before it has an earlier slot (or the same slot and a lower pair), so
 its sends come from actions this rank already ran: slots grow along a rank's list, and a message
@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from smp.pipeline import schedule
+from smp.schedules import Action
 
 ACTIVATION, OUTPUT, GRADIENT = range(3)
 
@@ -79,7 +79,7 @@ def sent_by(
 
 
 def posting_order(
-    pipe, rank: int, slots: list[list[schedule.Action | None]], ranks: tuple[int, ...], with_gradients: bool
+    pipe, rank: int, slots: list[list[Action | None]], ranks: tuple[int, ...], with_gradients: bool
 ) -> list[tuple[int, list[Message]]]:
     """The groups of messages between `rank` and the other ranks, (peer, messages) each, in the one
     global order every rank posts them in (see the module's docstring)."""

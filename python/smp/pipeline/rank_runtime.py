@@ -45,7 +45,7 @@ class PendingOutputs:
 
 
 class RankRuntime:
-    """`stage_ranks`: each stage's pipeline rank (smp.pipeline.schedule.stage_ranks); `group_ranks`:
+    """`stage_ranks`: each stage's pipeline rank (smp.schedules.stage_ranks); `group_ranks`:
     each pipeline rank's global rank; `rank`: this rank's pipeline rank."""
 
     def __init__(

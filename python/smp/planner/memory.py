@@ -1,6 +1,6 @@
 """Memory per GPU of one layout: smp's own buffers, part by part, on the fullest GPU.
 
-What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, pipeline/schedule.py):
+What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, schedules/):
 - parameters in the training precision (2 bytes under bf16/fp16, else 4);
 - gradients: fp32 accumulation always. fp32 training: one fp32 gradient per parameter (a flat
   buffer kept across steps when the optimizer state is flat, i.e. sharded). bf16/fp16: the fp32
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from smp.pipeline import schedule
+from smp import schedules
 from smp.planner.layout import Layout
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
@@ -123,13 +123,13 @@ def held(layout: Layout, rank: int, layers: int) -> tuple[int, bool, bool]:
     """(layers, whether it holds the first stage (the embeddings), whether it holds the last (the
     head)) of pipeline rank `rank`: one stage per rank, or under "zero_bubble_v" two half-size
     stages in a V (rank r: stages r and 2p-1-r), so that rank 0 holds both ends."""
-    stages = schedule.rank_stages(layout.pipeline, rank, layout.pp)
-    split = stage_layers(layers, schedule.num_stages(layout.pipeline, layout.pp))
+    stages = schedules.rank_stages(layout.pipeline, rank, layout.pp)
+    split = stage_layers(layers, schedules.num_stages(layout.pipeline, layout.pp))
     return sum(split[s] for s in stages), 0 in stages, len(split) - 1 in stages
 
 
 def alive(layout: Layout, stage: int) -> int:
-    """Microbatches whose activations a pipeline rank holds at once (pipeline/schedule.py), in
+    """Microbatches whose activations a pipeline rank holds at once (schedules/), in
     units of the rank's whole share of the layers: "zero_bubble_v" holds up to 2 min(active, pp, m)
     half-size stage-microbatches on every rank."""
     if layout.pipeline == "simple":

@@ -5,7 +5,7 @@ Stated assumptions (A100 p4d nodes, as in the seed's reference table):
 - a GPU sustains 125 TFLOP/s in bf16/fp16 (40% of its 312 peak), 8 times less in fp32;
 - backward costs two forwards; a checkpointed layer runs its forward once more;
 - the pipeline bubble: the most idle rank's idle time per unit of its work in the schedule's own
-  unit-time timeline (smp.pipeline.schedule.unit_time_slots): (pp - 1) / microbatches for 1F1B
+  unit-time timeline (smp.schedules.unit_time_slots): (pp - 1) / microbatches for 1F1B
   and GPipe, less for the zero-bubble schedules;
 - ring collectives move 2 (n - 1) / n of the buffer per rank; within a node at 150 GB/s per GPU
   (NVLink, one direction), across nodes at 50 GB/s per node (EFA, 400 Gbps) shared by its GPUs;
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from smp.pipeline import schedule
+from smp import schedules
 from smp.planner.layout import Layout
 from smp.planner.memory import Workload, held, microbatch_size
 from smp.planner.model_facts import ModelFacts
@@ -93,7 +93,7 @@ def bubble_share(layout: Layout) -> float:
     timeline (every action one slot)."""
     if layout.pp == 1:
         return 0.0
-    slots = schedule.unit_time_slots(layout.pipeline, layout.pp, layout.microbatches, layout.active)
+    slots = schedules.unit_time_slots(layout.pipeline, layout.pp, layout.microbatches, layout.active)
     length = max(len(row) for row in slots)
     return max((length - busy) / busy for busy in (sum(a is not None for a in row) for row in slots))
 
