@@ -266,8 +266,8 @@ class DistributedModel(nn.Module):
         """How much of the modules marked for tensor parallelism was sharded: bytes of matrix
         parameters sharded and replicated, and the largest replicated ones with the reason each
         stayed whole (print it). None before the first step or without tensor parallelism."""
-        parallelized = self.engine.parallelized
-        return parallelized.tp_coverage if parallelized is not None else None
+        plan = self.engine.plan
+        return plan.tp_coverage if plan is not None else None
 
     def default_reducer_named_parameters(self):
         """Parameters whose gradients are averaged over the data-parallel group."""

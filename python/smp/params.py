@@ -76,3 +76,19 @@ def applied_grad(param: nn.Parameter) -> torch.Tensor | None:
     """A parameter's averaged gradient, in fp32 when it was accumulated in fp32."""
     main = grad32(param)
     return main if main is not None else param.grad
+
+
+def refresh(module: nn.Module) -> None:
+    """Gives the module new Parameter objects (same storage). An optimizer built from the module
+    before it was wrapped still holds the old ones: smp.DistributedOptimizer follows them to the
+    new ones (marked moved), and an optimizer left unwrapped is caught at its first step."""
+    fresh: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in fresh:
+                fresh[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
+                mark_replaced(p)
+                mark_moved(p, fresh[id(p)])
+            m._parameters[name] = fresh[id(p)]

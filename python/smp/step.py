@@ -1,4 +1,5 @@
-"""@smp.step: runs a training (or evaluation) step as microbatches through the pipeline schedule."""
+"""@smp.step: splits a step's arguments into microbatches, runs them through the pipeline schedule
+(smp.engine.executor), and gathers what the step function returned (StepOutput)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 import torch
 
-from smp import faults, parallel_state
-from smp.services import timeline
+from smp import parallel_state
+from smp.engine import executor
 from smp.services.microbatch import Microbatch
 
 
@@ -109,79 +110,12 @@ def step(
             ) from e
         pieces, batch_size = _split_arguments(bound, m, whole, axes)
         microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
-        pp_rank, pp_size = parallel_state.pp_rank(), parallel_state.pp_size()
-        actions = st.config.schedule().actions(pp_rank)
         engine = st.model.engine if st.model is not None else None
-        _calls[0] += 1
-        action = None
-        recorder = timeline.recorder()
-        if recorder is not None and not recorder.begin_step():
-            recorder = None  # a step the timeline skips costs what an untimed one does
-        try:
-            if engine is not None:
-                engine.start_step()
-            for action in actions:
-                mb = microbatches[action.microbatch]
-                if recorder is not None:
-                    began = timeline.now()
-                if action.kind == "W":
-                    if engine is not None:
-                        engine.backward_weights(mb, action.stage)
-                else:
-                    mb.resume()
-                if recorder is not None:
-                    recorder.record(
-                        action.kind, began, timeline.now(), microbatch=action.microbatch, stage=action.stage
-                    )
-                if action.kind == "F" and pp_size > 1 and mb.forward_calls == 0:
-                    raise RuntimeError(
-                        f"smp.step: {fn.__name__} returned without calling the DistributedModel on "
-                        f"microbatch {mb.index}; with pipeline parallelism every rank must call "
-                        "model(...) once per step"
-                    )
-            if engine is not None:
-                engine.finish_step()
-            if recorder is not None and recorder.end_step():
-                timeline.write()
-        except BaseException as error:
-            for mb in microbatches:
-                mb.abort()
-            if engine is not None:
-                engine.abandon_step(error)
-            converted = _name_what_failed(error, action, pp_rank)
-            if converted is not None:
-                raise converted from error
-            raise
+        executor.run(st.config.schedule(), parallel_state.pp_rank(), microbatches, engine, fn.__name__)
         results = [mb.result for mb in microbatches]
         return _per_microbatch(results, detach_outputs)
 
     return run
-
-
-_calls = [0]  # smp.step calls in this process, to name the step that failed
-
-
-def _name_what_failed(error: BaseException, action, pp_rank: int) -> BaseException | None:
-    """Adds the step, stage and microbatch in flight to the error, and tells the other ranks (through
-    the store) that this rank failed: their waits then say "rank N failed". A transport error from
-    a collective inside the model (tensor parallelism's) becomes a CommunicationError to raise."""
-    if not isinstance(error, Exception):  # KeyboardInterrupt, a microbatch's Aborted
-        return None
-    converted = None
-    if faults.is_transport_error(error):
-        converted = error = faults.communication_error(
-            "a collective inside the model (tensor parallelism) or the pipeline",
-            "one of this rank's groups",
-            error,
-        )
-    stage = action.stage if action is not None else pp_rank
-    where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {stage}"
-    if action is not None:
-        phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
-        where += f", microbatch {action.microbatch} ({phase})"
-    error.add_note(f"smp: while running {where}")
-    faults.report_failure(error)
-    return converted
 
 
 def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axes: dict[str, int]):

@@ -1,7 +1,10 @@
-"""The engine: parallelize() turns a module into this rank's part; Engine runs it step by step."""
+"""The engine: a Plan made once per model (plan.py), a Program built per input signature
+(build.py, programs.py), the executor that runs a step (executor.py), and the Engine that keeps
+the step lifecycle, gradient synchronization and hooks (engine.py)."""
 
+from smp.engine.build import Program, build
 from smp.engine.engine import Engine
-from smp.engine.parallelize import Parallelized, parallelize, place_whole
+from smp.engine.plan import Plan, make_plan, place_whole
 from smp.engine.protocol import GradientConsumer
 
-__all__ = ["Engine", "GradientConsumer", "Parallelized", "parallelize", "place_whole"]
+__all__ = ["Engine", "GradientConsumer", "Plan", "Program", "build", "make_plan", "place_whole"]

@@ -1,9 +1,12 @@
-"""parallelize(): an unmodified module and example inputs in, this rank's parallelized part out.
+"""The plan: what the one-time parallelization of a module decided for this rank.
 
-One function per parallelism, each with explicit inputs, in this order:
-capture (train and eval graphs) -> pipeline plan -> tensor-parallel rewrite -> pipeline
-split and keep-local -> materialize (delayed initialization) -> data-parallel replica sync.
-The result is a frozen value the engine runs; nothing here keeps state.
+`make_plan` runs once per model, at its first step, with that microbatch as the example inputs.
+One function per parallelism, each with explicit inputs, in this order: capture (train and eval
+graphs) -> pipeline partition -> tensor-parallel rewrite -> pipeline split and keep-local ->
+materialize (delayed initialization) -> data-parallel replica sync. The result is a frozen Plan,
+which every input signature's program follows (smp.engine.build), and the first signature's
+split pipelines, already made. `place_whole` is the plan of a module that runs whole (data
+parallelism alone).
 """
 
 from __future__ import annotations
@@ -19,24 +22,27 @@ from torch import nn
 from smp import passes, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
-from smp.engine import compiled, delayed_init, recapture
+from smp.engine import delayed_init
+from smp.engine.skeleton import Skeleton
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline import placement
 from smp.pipeline.partitioning import module_partitions
-from smp.pipeline.rank_runtime import RankRuntime
+from smp.schedules import Schedule
 from smp.tensor_parallel.coverage import CoverageReport
 from smp.tensor_parallel.marks import marked_modules
 from smp.tensor_parallel.shard import shard_modes
 
+Flags = tuple[bool, ...]  # the train/eval mode of every module: which captured graph runs
+
 
 @dataclasses.dataclass(frozen=True)
-class Parallelized:
-    """This rank's part of the model, ready to run."""
+class Plan:
+    """This rank's part of the model and what every input signature's program follows."""
 
-    # The stage runtime per train/eval flags of the modules, for the first input signature (empty
-    # when the module runs whole; the engine hands them to its signature cache and keeps none).
-    runtimes: Mapping[tuple[bool, ...], RankRuntime]
+    schedule: Schedule
+    pp_rank: int  # this rank's place in the pipeline
+    device: torch.device
     # id(local shard) -> how it was cut from the full parameter.
     shard_specs: Mapping[int, passes.ShardSpec]
     # Parameters several stages hold, with the group joining their copies.
@@ -45,17 +51,30 @@ class Parallelized:
     stage_reads: Mapping[int, int]
     # The group whose ranks average this rank's gradients (None: no other replica).
     grad_group: dist.ProcessGroup | None
-    # The pipeline partition of the current mode (None when the module runs whole).
-    plan: passes.PartitionPlan | None = None
-    # What activation checkpointing did on this rank's stage (for `debug`).
-    recompute_report: str = ""
-    # How much of the marked modules tensor parallelism cut (None without it).
+    # The rest is for a captured model (pipeline stages or tensor-parallel layers) only.
+    # The pipeline partition of the mode the first step ran in.
+    partition: passes.PartitionPlan | None = None
+    # The module structure with full-shape meta tensors, taken before partitioning.
+    skeleton: Skeleton | None = None
+    # Per mode, module path -> its stage (the modules the partition kept on one stage).
+    module_stages: Mapping[Flags, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    # Tensor parallelism: the marked modules, what stays replicated (and why), its coverage.
+    marked: frozenset[str] = frozenset()
+    replicated: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tp_coverage: CoverageReport | None = None
-    # What captures of other input signatures follow (None when the module runs whole).
-    recipe: recapture.Recipe | None = None
+    # Activation checkpointing: the regions (each with its offload flag), and the offloader.
+    checkpointing: tuple[tuple[Region, bool], ...] = ()
+    offloader: recompute.ActivationOffloader | None = None
+    # Checkpointed regions the partition cut in two (for `debug`).
+    split_regions: tuple[str, ...] = ()
+
+    @property
+    def own_stages(self) -> tuple[int, ...]:
+        """The stages this rank runs."""
+        return self.schedule.rank_stages(self.pp_rank)
 
 
-def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Parallelized:
+def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Plan:
     """Data parallelism alone: the module runs whole on this rank's device."""
     device = rank_device()
     if delayed_init.is_delayed(module):
@@ -63,10 +82,10 @@ def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Pa
     module.to(device)
     tensors = list(module.parameters()) + list(module.buffers())
     grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
-    return Parallelized(runtimes={}, shard_specs={}, shared=(), stage_reads={}, grad_group=grad_group)
+    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, grad_group)
 
 
-def parallelize(
+def make_plan(
     module: nn.Module,
     args: tuple,
     kwargs: dict,
@@ -76,10 +95,11 @@ def parallelize(
     trace_execution_times: bool = False,
     checkpointing: Sequence[tuple[Region, bool]] = (),
     offloader: recompute.ActivationOffloader | None = None,
-) -> Parallelized:
-    """Captures, partitions, shards and splits `module` for this rank, freeing what its stage does
+) -> tuple[Plan, dict[Flags, passes.PipelineGraph]]:
+    """Captures, partitions, shards and splits `module` for this rank, freeing what its stages do
     not use. `args`/`kwargs` are one microbatch's inputs (of the whole tensor-parallel group);
-    `batch_size` is the rows of one rank's microbatch.
+    `batch_size` is the rows of one rank's microbatch. Returns the plan and, per mode, the split
+    pipeline of these inputs' signature (for smp.engine.build).
 
     The graph is captured in the current train/eval mode and in the opposite one, while every
     parameter still exists: switching modes later picks the other graph.
@@ -95,105 +115,93 @@ def parallelize(
         args, kwargs = delayed_init.to_meta((args, kwargs))
     else:
         module.to(device)
-    skeleton = recapture.Skeleton(module)  # before anything is freed or sharded
+    skeleton = Skeleton(module)  # before anything is freed or sharded
     retarget = device if delayed else None
+    schedule = config.schedule()
+    own = schedule.rank_stages(groups.pp_rank)
     captured = _capture(module, args, kwargs, retarget)
-    stage_ranks = config.schedule().stage_ranks
-    own = config.schedule().rank_stages(groups.pp_rank)
-    plan = placement.plan_stages(
+    partition = placement.plan_stages(
         captured,
         captured.flatten_inputs(args, kwargs),
         config,
-        len(stage_ranks),
+        schedule.num_stages,
         module_partitions(module),
         trace_execution_times,
     )
-    modes = {training_flags(module): (captured, plan)}
+    modes = {training_flags(module): (captured, partition)}
     with _opposite_mode(module) as flags:
         other = _capture(module, args, kwargs, retarget)
-        modes[flags] = (other, passes.follow_partition(other.graph_module, plan))
+        modes[flags] = (other, passes.follow_partition(other.graph_module, partition))
     # Where each module runs, which later signatures follow (before the TP rewrite adds nodes).
     module_stages = {flags: passes.module_stages(c.graph_module, p) for flags, (c, p) in modes.items()}
     specs: dict[int, passes.ShardSpec] = {}
     tp_coverage, replicated, marked = None, {}, marked_modules(module)
     if groups.tp_size > 1:
-        combined = None if config.prescaled_batch else batch_size * groups.tp_size
+        combined = combined_batch(config, groups, batch_size)
         modes, specs, tp_coverage, replicated = shard_modes(
             modes, module, groups.tp, marked, combined, config.colocate_shared_parameters
         )
-    plan = modes[training_flags(module)][1]
+    partition = modes[training_flags(module)][1]
     pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
-    plans = [p for _, p in modes.values()]
-    placement.keep_local(module, captured.graph_module, list(pipes.values()), plans, own)
+    partitions = [p for _, p in modes.values()]
+    placement.keep_local(module, captured.graph_module, list(pipes.values()), partitions, own)
     if delayed:
         specs, replaced = _materialize(module, specs, device, config.tensor_parallel_seed, groups)
         holders = [c.graph_module for c, _ in modes.values()]
         holders += [s.module for pipe in pipes.values() for s in pipe.stages if s.module is not None]
         for graph_module in holders:
             delayed_init.replace_in(graph_module, replaced)
-    report = _checkpoint_stages(pipes, modes, list(checkpointing), offloader, own, training_flags(module))
-    if config.compile is not None:
-        for pipe in pipes.values():
-            for s in own:
-                if pipe.stages[s].module is not None:
-                    pipe.stages[s].module = compiled.compile_stage(pipe.stages[s].module, config.compile)
-    shared = replicas.shared_groups(captured.graph_module, plans, stage_ranks, groups)
+    shared = replicas.shared_groups(captured.graph_module, partitions, schedule.stage_ranks, groups)
     grad_group = replicas.synchronize(module, set(specs), shared, groups)
-    runtimes = {
-        flags: RankRuntime(
-            pipe, stage_ranks, groups.pp_rank, groups.pp, list(groups.pp_ranks), config.microbatches, device
-        )
-        for flags, pipe in pipes.items()
-    }
-    recipe = recapture.Recipe(
+    plan = Plan(
+        schedule,
+        groups.pp_rank,
+        device,
+        specs,
+        tuple(shared),
+        _stage_reads(captured.graph_module, partition, own),
+        grad_group,
+        partition,
         skeleton,
         module_stages,
-        stage_ranks,
         frozenset(marked),
         replicated,
-        specs,
+        tp_coverage,
         tuple(checkpointing),
         offloader,
-        device,
+        _split_regions(captured, partition, checkpointing),
     )
-    reads = _stage_reads(captured.graph_module, plan, own)
-    return Parallelized(runtimes, specs, tuple(shared), reads, grad_group, plan, report, tp_coverage, recipe)
+    return plan, pipes
 
 
-def _stage_reads(gm, plan: passes.PartitionPlan, own: tuple[int, ...]) -> dict[int, int]:
+def combined_batch(config: Config, groups: ParallelGroups, batch_size: int | None) -> int | None:
+    """The rows of the tensor-parallel group's combined microbatch (None under prescaled_batch,
+    where the group's ranks read the same batch)."""
+    return None if config.prescaled_batch else batch_size * groups.tp_size
+
+
+def _stage_reads(gm, partition: passes.PartitionPlan, own: tuple[int, ...]) -> dict[int, int]:
     """id(parameter) -> how many of the stages `own` read it, where more than one."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     reads: dict[int, int] = {}
     for s in own:
-        for name in plan.stage_parameters[s]:
+        for name in partition.stage_parameters[s]:
             reads[id(params[name])] = reads.get(id(params[name]), 0) + 1
     return {key: n for key, n in reads.items() if n > 1}
 
 
-def _checkpoint_stages(pipes, modes, checkpointing, offloader, own: tuple[int, ...], current) -> str:
-    """Outlines the checkpointed regions on this rank's stages in every mode, and reports (for the
-    current mode) what it did: a region that spans stages is split at the boundary, each stage
-    recomputing its own part as one region."""
-    if not checkpointing:
-        return ""
+def _split_regions(captured, partition: passes.PartitionPlan, checkpointing) -> tuple[str, ...]:
+    """A checkpointed region that spans stages is split at the boundary, each stage recomputing its
+    own part as one region: these lines say where that happened."""
     lines = []
-    graph, plan = modes[current]
     for region, _ in checkpointing:
-        nodes = passes.regions.region_nodes(graph.graph_module.graph, region)
-        stages = sorted({plan.node_stage[n.name] for n in nodes if n.name in plan.node_stage})
+        nodes = passes.regions.region_nodes(captured.graph_module.graph, region)
+        stages = sorted({partition.node_stage[n.name] for n in nodes if n.name in partition.node_stage})
         if len(stages) > 1:
             lines.append(
                 f"smp checkpointing: region {region.label} spans stages {stages}: split at the boundary"
             )
-    for flags, pipe in pipes.items():
-        for stage in own:
-            module = pipe.stages[stage].module
-            labels = recompute.apply_to_stage(module, checkpointing, offloader) if module is not None else []
-            if flags == current:
-                lines.append(
-                    f"smp checkpointing: stage {stage} recomputes {len(labels)} regions: {', '.join(labels)}"
-                )
-    return "\n".join(lines)
+    return tuple(lines)
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
@@ -228,7 +236,7 @@ def _materialize(
     return specs, replaced
 
 
-def training_flags(module: nn.Module) -> tuple[bool, ...]:
+def training_flags(module: nn.Module) -> Flags:
     """The train/eval mode of every module: which captured graph runs."""
     return tuple(m.training for m in module.modules())
 

@@ -1,0 +1,137 @@
+"""build(): the one builder of this rank's Program for an input signature, following the plan.
+
+For the first signature the split pipelines come from smp.engine.plan.make_plan, whose capture
+decided the plan. Any later signature (another sequence length, an eval batch size) is captured
+on the module's Skeleton, follows the first capture's stage of every module and its
+tensor-parallel decisions, is split, and its stage graphs read this rank's real tensors. Both then
+go the same way: activation checkpointing, torch.compile, the stage runtime, and what the schedule
+asks of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from torch import nn
+
+from smp import passes, recompute
+from smp.config import Config
+from smp.engine import compiled, delayed_init
+from smp.engine.plan import Flags, Plan, combined_batch
+from smp.engine.skeleton import make_real
+from smp.groups import ParallelGroups
+from smp.pipeline.rank_runtime import RankRuntime
+from smp.schedules import Schedule
+from smp.tensor_parallel.shard import shard_following
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """This rank's work for one input signature in one train/eval mode: its stages' runtime and the
+    schedule that orders their actions."""
+
+    runtime: RankRuntime
+    schedule: Schedule
+    # Stage -> the checkpointed regions it recomputes (for `debug`).
+    checkpointed: Mapping[int, tuple[str, ...]]
+
+
+def build(
+    plan: Plan,
+    flags: Flags,
+    args: tuple,
+    kwargs: dict,
+    batch_size: int | None,
+    config: Config,
+    groups: ParallelGroups,
+    pipe: passes.PipelineGraph | None = None,
+) -> Program:
+    """This rank's program for inputs `args`/`kwargs` (the module in the modes `flags`); `pipe` is
+    their split pipeline when planning made it (the first signature)."""
+    if pipe is None:
+        pipe = _split_following(plan, flags, args, kwargs, batch_size, config, groups)
+    checkpointed = {}
+    for s in plan.own_stages:
+        stage = pipe.stages[s]
+        labels = []
+        if stage.module is not None and plan.checkpointing:
+            labels = recompute.apply_to_stage(stage.module, list(plan.checkpointing), plan.offloader)
+        checkpointed[s] = tuple(labels)
+        if stage.module is not None and config.compile is not None:
+            stage.module = compiled.compile_stage(stage.module, config.compile)
+    schedule = plan.schedule
+    runtime = RankRuntime(
+        pipe,
+        schedule.stage_ranks,
+        groups.pp_rank,
+        groups.pp,
+        list(groups.pp_ranks),
+        config.microbatches,
+        plan.device,
+    )
+    if groups.pp_size > 1:
+        runtime.order_messages(config.ordered_messages, schedule.slots())
+    if schedule.splits_backward:  # weight gradients wait for the schedule's W
+        runtime.defer_weight_gradients()
+    return Program(runtime, schedule, checkpointed)
+
+
+def recompute_report(plan: Plan, program: Program) -> str:
+    """What activation checkpointing did on this rank's stages (empty without it)."""
+    if not plan.checkpointing:
+        return ""
+    lines = list(plan.split_regions)
+    for stage, labels in program.checkpointed.items():
+        lines.append(
+            f"smp checkpointing: stage {stage} recomputes {len(labels)} regions: {', '.join(labels)}"
+        )
+    return "\n".join(lines)
+
+
+def _split_following(
+    plan: Plan,
+    flags: Flags,
+    args: tuple,
+    kwargs: dict,
+    batch_size: int | None,
+    config: Config,
+    groups: ParallelGroups,
+) -> passes.PipelineGraph:
+    """A new signature captured on the skeleton, cut as the plan says, this rank's stages reading
+    its real tensors (the others' dropped)."""
+    colocate = config.colocate_shared_parameters
+    with plan.skeleton.swapped_in():
+        captured = passes.capture(plan.skeleton.module, *delayed_init.to_meta((tuple(args), dict(kwargs))))
+    delayed_init.retarget(captured.graph_module, plan.device)
+    gm = captured.graph_module
+    partition = passes.follow_modules(gm, plan.module_stages[flags], plan.schedule.num_stages, colocate)
+    if groups.tp_size > 1:
+        partition = shard_following(
+            captured,
+            partition,
+            groups.tp,
+            set(plan.marked),
+            combined_batch(config, groups, batch_size),
+            _shards(plan),
+            dict(plan.replicated),
+            colocate,
+        )
+    pipe = passes.split(captured, partition)
+    own = plan.own_stages
+    for s in pipe.stages:
+        if s.index not in own:
+            s.module = None
+        else:
+            make_real(s.module, plan.skeleton, s.index)
+    return pipe
+
+
+def _shards(plan: Plan) -> dict[int, nn.Parameter]:
+    """id(meta full tensor) -> this rank's shard of it, for every sharded tensor this rank holds."""
+    shards = {}
+    for meta in plan.skeleton.metas():
+        local = plan.skeleton.local(meta)
+        if local is not None and id(local) in plan.shard_specs:
+            shards[id(meta)] = local
+    return shards

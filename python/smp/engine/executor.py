@@ -1,0 +1,91 @@
+"""The executor: runs one step, this rank's actions of the schedule in order.
+
+Each microbatch is a thread that runs the user's step function (smp.services.microbatch); an F
+or B action resumes it until it pauses (at the end of one stage's forward or backward), a W runs
+the stage's deferred weight gradients. Which program a microbatch runs is decided inside the
+step function, when it calls the model (the input signature is known only then), so the executor
+needs only the schedule and the engine's step lifecycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from smp import faults
+from smp.schedules import Action, Schedule
+from smp.services import timeline
+from smp.services.microbatch import Microbatch
+
+if TYPE_CHECKING:  # the engine module imports nothing of this one
+    from smp.engine.engine import Engine
+
+_calls = [0]  # steps run in this process, to name the step that failed
+
+
+def run(
+    schedule: Schedule, pp_rank: int, microbatches: list[Microbatch], engine: Engine | None, name: str
+) -> None:
+    """Runs the step: the engine's start, the actions, the engine's finish. `name` is the step
+    function's, for errors. On an error every microbatch thread is unwound and the error names
+    the step, stage and microbatch in flight."""
+    _calls[0] += 1
+    action = None
+    recorder = timeline.recorder()
+    if recorder is not None and not recorder.begin_step():
+        recorder = None  # a step the timeline skips costs what an untimed one does
+    try:
+        if engine is not None:
+            engine.start_step()
+        for action in schedule.actions(pp_rank):
+            mb = microbatches[action.microbatch]
+            began = timeline.now() if recorder is not None else 0.0
+            if action.kind == "W":
+                if engine is not None:
+                    engine.backward_weights(mb, action.stage)
+            else:
+                mb.resume()
+            if recorder is not None:
+                recorder.record(
+                    action.kind, began, timeline.now(), microbatch=action.microbatch, stage=action.stage
+                )
+            if action.kind == "F" and schedule.num_ranks > 1 and mb.forward_calls == 0:
+                raise RuntimeError(
+                    f"smp.step: {name} returned without calling the DistributedModel on microbatch "
+                    f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
+                )
+        if engine is not None:
+            engine.finish_step()
+        if recorder is not None and recorder.end_step():
+            timeline.write()
+    except BaseException as error:
+        for mb in microbatches:
+            mb.abort()
+        if engine is not None:
+            engine.abandon_step(error)
+        converted = _name_what_failed(error, action, pp_rank)
+        if converted is not None:
+            raise converted from error
+        raise
+
+
+def _name_what_failed(error: BaseException, action: Action | None, pp_rank: int) -> BaseException | None:
+    """Adds the step, stage and microbatch in flight to the error, and tells the other ranks (through
+    the store) that this rank failed: their waits then say "rank N failed". A transport error from
+    a collective inside the model (tensor parallelism's) becomes a CommunicationError to raise."""
+    if not isinstance(error, Exception):  # KeyboardInterrupt, a microbatch's Aborted
+        return None
+    converted = None
+    if faults.is_transport_error(error):
+        converted = error = faults.communication_error(
+            "a collective inside the model (tensor parallelism) or the pipeline",
+            "one of this rank's groups",
+            error,
+        )
+    stage = action.stage if action is not None else pp_rank
+    where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {stage}"
+    if action is not None:
+        phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
+        where += f", microbatch {action.microbatch} ({phase})"
+    error.add_note(f"smp: while running {where}")
+    faults.report_failure(error)
+    return converted

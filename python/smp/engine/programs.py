@@ -1,0 +1,116 @@
+"""This rank's programs per (train/eval mode, input signature): planned once, built on first use.
+
+The first call plans the module (smp.engine.plan) and builds the first signature's program in
+both train/eval modes, while every parameter still exists. A later signature's program is built
+from that plan (smp.engine.build) when it first arrives, and kept in a least-recently-used cache
+(smp.engine.signatures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Sequence
+
+from torch import nn
+
+from smp import recompute
+from smp.config import Config
+from smp.engine import signatures
+from smp.engine.build import Program, build
+from smp.engine.plan import Flags, Plan, make_plan, training_flags
+from smp.groups import ParallelGroups
+from smp.passes.regions import Region
+from smp.services.activation_meter import SavedActivationMeter
+
+
+class Programs:
+    def __init__(
+        self, module: nn.Module, config: Config, groups: ParallelGroups, trace_execution_times: bool
+    ):
+        self._module, self._config, self._groups = module, config, groups
+        self._trace_execution_times = trace_execution_times
+        self.cache = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
+        self._modes: frozenset[Flags] = frozenset()  # the train/eval flags planned
+        self._meter: SavedActivationMeter | None = None
+        self.building = False  # whether the module is being captured now (on fake tensors)
+
+    def plan(
+        self,
+        args: tuple,
+        kwargs: dict,
+        batch_size: int | None,
+        signature: Hashable,
+        checkpointing: Sequence[tuple[Region, bool]],
+        offloader: recompute.ActivationOffloader | None,
+    ) -> tuple[Plan, Program]:
+        """Plans the module on these inputs and builds their programs in both modes; returns the plan
+        and the program of the current mode."""
+
+        def first() -> tuple[Plan, dict[Flags, Program]]:
+            plan, pipes = make_plan(
+                self._module,
+                args,
+                kwargs,
+                self._config,
+                self._groups,
+                batch_size,
+                self._trace_execution_times,
+                checkpointing,
+                offloader,
+            )
+            programs = {
+                flags: build(plan, flags, args, kwargs, batch_size, self._config, self._groups, pipe)
+                for flags, pipe in pipes.items()
+            }
+            return plan, programs
+
+        with self._building():
+            (plan, programs), seconds = signatures.timed(first)
+        self._plan = plan
+        self._modes = frozenset(programs)
+        for flags, program in programs.items():
+            self.cache.put(flags, signature, program, seconds / len(programs))
+        return plan, programs[training_flags(self._module)]
+
+    def get(
+        self, args: tuple, kwargs: dict, batch_size: int | None, signature: Hashable, frozen: tuple[str, ...]
+    ) -> Program:
+        """The program for the modules' train/eval modes and these inputs' signature, built now
+        when the signature is new. `frozen`: parameters whose requires_grad differs from the
+        trained set (a forward-only step with them frozen bakes that into its graphs, which are
+        kept apart from the training ones)."""
+        flags = training_flags(self._module)
+        key = (flags, frozen) if frozen else flags
+        if flags not in self._modes:
+            raise RuntimeError(
+                "smp: the pipeline was captured with every module in train mode or every module in eval "
+                "mode (as set when the first step ran, and its opposite); this mix of train/eval modules "
+                "is neither. Set the modes before the first step, or use model.train() / model.eval()"
+            )
+        program = self.cache.get(key, signature)
+        if program is None:
+            with self._building():
+                program, seconds = signatures.timed(
+                    lambda: build(self._plan, flags, args, kwargs, batch_size, self._config, self._groups)
+                )
+            program.runtime.meter = self._meter
+            self.cache.put(key, signature, program, seconds)
+        return program
+
+    def finish_step(self) -> None:
+        for program in self.cache.values():
+            program.runtime.finish_step()
+
+    def meter_with(self, meter: SavedActivationMeter | None) -> None:
+        """Every program's stages (and later ones') count their saved activations on `meter`."""
+        self._meter = meter
+        for program in self.cache.values():
+            program.runtime.meter = meter
+
+    @contextlib.contextmanager
+    def _building(self):
+        self.building = True
+        try:
+            yield
+        finally:
+            self.building = False
