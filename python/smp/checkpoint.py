@@ -30,10 +30,8 @@ from typing import Any
 
 import torch
 
-from smp import checkpoint_storage as storage
 from smp import comm, parallel_state
-from smp.engine import model_state
-from smp.optim import layout_free
+from smp.state import layout_free, model_state, storage
 
 _NEWEST = "newest"
 _INCOMPLETE = ".incomplete"

@@ -12,9 +12,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from smp import model as model_lib
 from smp import parallel_state
 from smp import params as param_facts
-from smp.optim import grad_norm, layout_free
+from smp.optim import grad_norm
 from smp.optim.flat_state import FlatState
 from smp.optim.loss_scale import LossScaler, any_rank
+from smp.state import layout_free
 
 _BUILT_BEFORE_WRAP = (
     "smp: this optimizer was built from the module's parameters before smp.DistributedModel wrapped it, "

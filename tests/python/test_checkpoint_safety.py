@@ -24,7 +24,7 @@ def _saving_child(folder: str, kill_at: int) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a plain process: smp runs as a world of one
     import smp
-    from smp import checkpoint_storage
+    from smp.state import storage as checkpoint_storage
 
     smp.init({})
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def _check(folder: str) -> str | None:
         assert os.path.isdir(path + ".replaced"), (tag, sorted(os.listdir(folder)))
         path += ".replaced"  # killed between the two renames of a re-save; resume reads it
     assert set(os.listdir(path)) == EXPECTED, (tag, os.listdir(path))
-    from smp import checkpoint_storage
+    from smp.state import storage as checkpoint_storage
 
     reader = checkpoint_storage.Reader(path, whole=False)
     stored = reader.stored("")

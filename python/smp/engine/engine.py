@@ -24,7 +24,7 @@ from smp import hf, params, passes, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
-from smp.engine import inputs, model_state, signatures
+from smp.engine import inputs, signatures
 from smp.engine.build import recompute_report
 from smp.engine.plan import Plan, place_whole, rank_device
 from smp.engine.programs import Programs
@@ -34,6 +34,7 @@ from smp.finite_check import FiniteCheck
 from smp.groups import ParallelGroups
 from smp.services.activation_meter import SavedActivationMeter
 from smp.services.microbatch import Microbatch
+from smp.state import model_state
 from smp.tensor_parallel import inputs as tp_inputs
 
 

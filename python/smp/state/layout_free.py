@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp.engine.model_state import StatePlaces
 from smp.optim.flat_state import FlatState
-from smp.sliced import Slices
+from smp.state.model_state import StatePlaces
+from smp.state.sliced import Slices
 
 MASTER = "master"  # the fp32 master weights of bf16/fp16 training
 

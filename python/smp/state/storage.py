@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from smp import parallel_state
-from smp.sliced import Slices, assemble
+from smp.state.sliced import Slices, assemble
 
 _MODEL_FILE = "model.pt"  # a full checkpoint's model: a plain state_dict, loadable without smp
 _OPTIMIZER_FILE = "optimizer.pt"

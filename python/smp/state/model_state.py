@@ -17,7 +17,7 @@ from torch import nn
 
 from smp import passes
 from smp.groups import ParallelGroups
-from smp.sliced import Placement, Slices
+from smp.state.sliced import Placement, Slices
 
 
 def local_part(
