@@ -22,10 +22,11 @@ some unmarked code also reads.
 
 Where things are: driver.py walks the graph and holds what every rule shares; registry.py is
 the table of rules, one per op, which rules/ fills by op family (layers, shape, elementwise,
-matmul); layout.py is the layout and ShardSpec arithmetic; linear_forms.py first turns every
-spelling of a linear layer (x @ W.T, einsum, matmul on a [in, out] weight) into one the
-layer rules cut. This module runs the driver until
-no rule asks for another module or parameter to stay replicated, then installs the shards.
+matmul); layout.py is the layout and ShardSpec arithmetic; smp.passes.linear_forms (shared
+with the pipeline's backward split) first turns every spelling of a linear layer (x @ W.T,
+einsum, matmul on a [in, out] weight) into one the layer rules cut. This module runs the
+driver until no rule asks for another module or parameter to stay replicated, then installs
+the shards.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ import torch
 from torch import fx, nn
 
 from ..fx_utils import fetch_attr, module_stack, parent_path
+from ..linear_forms import canonicalize_linears
 from . import rules  # noqa: F401  (importing registers every rule)
 from .driver import Demote, Rewrite
 from .layout import ShardSpec
-from .linear_forms import canonicalize_linears
 
 __all__ = ["ShardSpec", "TensorParallelResult", "tensor_parallel"]
 

@@ -236,7 +236,7 @@ def resume_from_checkpoint(
     source = storage.Reader(folder, whole=not partial)  # opened now: a torn folder fails here
 
     def apply(model, optimizer) -> None:
-        places = model.engine.state_places()
+        places = model.engine.state.places()
         items, install = {}, None
         if load_optimizer and optimizer is not None:
             if meta.get("optimizer") is None:
@@ -268,7 +268,7 @@ def _state_to_save(model, optimizer) -> tuple[dict[str, Any], dict]:
     meta: dict = {"format": 1, "optimizer": None}
     if model is None:
         return tensors, meta
-    places = model.engine.state_places()
+    places = model.engine.state.places()
     if optimizer is not None:  # first: it may move the parameters into its flat buffers
         tensors, meta["optimizer"] = optimizer.checkpoint_state(places)
     tensors |= {_MODEL + k: v for k, v in model_state.model_slices(places, for_save=True).items()}

@@ -83,4 +83,4 @@ def _tensor_parallelism(enabled: bool, tp_config: dict):
 def is_tracing() -> bool:
     """Whether the DistributedModel is capturing the model now (model code runs on fake tensors)."""
     model = model_lib.current()
-    return model is not None and model.engine.tracing
+    return model is not None and model.engine.programs.building

@@ -60,6 +60,13 @@ class FiniteCheck:
                 self._add(2, -self._stages[-1], f"the gradient of {name!r}", self._stages)
                 return
 
+    def end_step(self, step: int, named_grads: list[tuple[str, torch.Tensor | None]] | None) -> None:
+        """The step's end: its gradients checked (None: no backward ran), then every rank's findings
+        exchanged; raises on every rank if any (none is left waiting)."""
+        if named_grads is not None:
+            self.gradients(named_grads)
+        self.raise_if_any(step, None)
+
     def _add(self, order: int, key: int, what: str, stages: tuple[int, ...]) -> None:
         if not any(o == order for o, _, _ in self._findings):
             where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"

@@ -125,7 +125,8 @@ class DistributedModel(nn.Module):
 
     @property
     def partition_plan(self):
-        return self.engine.partition_plan
+        plan = self.engine.plan
+        return plan.partition if plan is not None else None
 
     def partition_report(self) -> str:
         if self.partition_plan is None:
@@ -187,7 +188,7 @@ class DistributedModel(nn.Module):
         call it on every rank (or on every rank with rdp_rank() == 0)."""
         if not self.engine.captures or not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
-        return self.engine.state_dict()
+        return self.engine.state.full()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full (unsharded) state_dict: after partitioning each rank takes the entries of its
@@ -204,7 +205,7 @@ class DistributedModel(nn.Module):
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         if not self.partitioned or not self.engine.captures:
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        self.engine.load_state_dict(state_dict, strict)
+        self.engine.state.load(state_dict, strict)
         return None
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
@@ -224,7 +225,7 @@ class DistributedModel(nn.Module):
         torch.distributed.barrier()
 
     def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        return self.engine.local_part(param, full)
+        return self.engine.state.local_part(param, full)
 
     # --- gradient norm ------------------------------------------------------------------------
 
@@ -281,10 +282,10 @@ class DistributedModel(nn.Module):
 
     def track_saved_activations(self, enabled: bool = True) -> None:
         """Counts bytes saved for backward by this rank's stage (see saved_activation_bytes)."""
-        self.engine.track_saved_activations(enabled)
+        self.engine.programs.track_saved_activations(enabled)
 
     def saved_activation_bytes(self) -> dict[str, int]:
-        return self.engine.saved_activation_bytes()
+        return self.engine.programs.saved_activation_bytes()
 
 
 _PARTIAL = "smp_partial"  # metadata mark of a local_state_dict()

@@ -64,7 +64,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "model.parameters()"
             )
         owned = {id(p) for p in model.module.parameters()}
-        _follow_moves(optimizer, model.engine.local_part)  # e.g. built before wrapping, as in SMP's MNIST
+        # Built before wrapping, as in SMP's MNIST example: follow the parameters to the model's.
+        _follow_moves(optimizer, model.engine.state.local_part)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in owned and not param_facts.left_this_rank(p):
@@ -305,7 +306,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat master state when the config shards optimizer state or trains in bf16/fp16."""
         if self._localized or not self._engine.partitioned:
             return
-        _follow_moves(self.optimizer, self._engine.local_part)
+        _follow_moves(self.optimizer, self._engine.state.local_part)
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if not param_facts.is_nonlocal(p)]
         cfg, groups = self._engine.config, self._engine.groups

@@ -692,7 +692,7 @@ class _LinearSpellings(torch.nn.Module):
 
 
 def test_linear_spellings_become_linear_layers_computing_the_same():
-    from smp.passes.tensor_parallel.linear_forms import canonicalize_linears, linear_in_out
+    from smp.passes.linear_forms import canonicalize_linears, linear_in_out
 
     model, x = _LinearSpellings(), torch.randn(2, 3, 4)
     captured = passes.capture(model, (x,))

@@ -15,10 +15,10 @@ import torch
 from torch import fx
 
 from ...fx_utils import bound_args, module_stack, parent_path
+from ...linear_forms import grouped_linear, linear_in_out
 from .. import registry
 from ..driver import Demote
 from ..layout import Shard, ShardSpec, local_val
-from ..linear_forms import grouped_linear, linear_in_out
 from ..registry import rule
 
 if TYPE_CHECKING:

@@ -77,6 +77,18 @@ def build(
     return Program(runtime, schedule, checkpointed)
 
 
+def debug_report(plan: Plan, program: Program, groups: ParallelGroups) -> None:
+    """Prints (config `debug`) the partition and tensor-parallel coverage on the first rank, and
+    what activation checkpointing did on each pipeline rank's first replica."""
+    if groups.rank == 0:
+        print(plan.partition.report(), flush=True)
+        if plan.tp_coverage is not None:
+            print(plan.tp_coverage, flush=True)
+    report = recompute_report(plan, program)
+    if report and groups.tp_rank == groups.rdp_rank == 0:
+        print(report, flush=True)
+
+
 def recompute_report(plan: Plan, program: Program) -> str:
     """What activation checkpointing did on this rank's stages (empty without it)."""
     if not plan.checkpointing:

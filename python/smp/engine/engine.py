@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from smp import hf, params, passes, recompute
@@ -25,14 +24,14 @@ from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
 from smp.engine import inputs, signatures
-from smp.engine.build import recompute_report
+from smp.engine.accumulation import Accumulation
+from smp.engine.build import debug_report
 from smp.engine.plan import Plan, place_whole, rank_device
 from smp.engine.programs import Programs
 from smp.engine.protocol import GradientConsumer
 from smp.engine.trained import TrainedSet
 from smp.finite_check import FiniteCheck
 from smp.groups import ParallelGroups
-from smp.services.activation_meter import SavedActivationMeter
 from smp.services.microbatch import Microbatch
 from smp.state import model_state
 from smp.tensor_parallel import inputs as tp_inputs
@@ -63,20 +62,15 @@ class Engine:
         self.state_keys = list(module.state_dict(keep_vars=True).keys())  # tied tensors under each name
         self._call_defaults = hf.call_defaults(module)
         self.plan: Plan | None = None
-        self._programs = Programs(module, config, groups, trace_execution_times)
-        self._grad_sync: GradSync | None = None
+        self.programs = Programs(module, config, groups, trace_execution_times)
+        self.grad_sync: GradSync | None = None  # the gradient averaging, once the model is placed
         self._trained = TrainedSet(module)
-        self._shared_groups: dict[int, dist.ProcessGroup] = {}
         self._consumers: list[GradientConsumer] = []
-        self._post_partition_hooks: list[Callable] = []
-        self._post_step_hooks: list[Callable] = []
-        self._meter: SavedActivationMeter | None = None
-        self._track_activations = False
+        self._post_partition_hooks: list[Callable] = []  # each runs once, when partitioned
+        self._post_step_hooks: list[Callable] = []  # each runs once, at the next step's end
         self._failed_step: str | None = None
         self._backward_ran = False
-        # Gradient accumulation: steps with a backward per optimizer step, and those done so far.
-        self._passes_per_step = backward_passes_per_step
-        self._passes_done = 0
+        self._accumulation = Accumulation(backward_passes_per_step)
         self._checkpointing = recompute.Checkpointing(
             module, config.offload_activations, config.activation_loading_horizon, self.captures
         )
@@ -106,28 +100,14 @@ class Engine:
         return self.plan is not None
 
     @property
-    def tracing(self) -> bool:
-        """Whether the module is being captured now (its forward runs on fake tensors)."""
-        return self._programs.building
-
-    @property
     def shard_specs(self) -> Mapping[int, passes.ShardSpec]:
         """id(local shard) -> how it was cut (empty before partitioning or without TP)."""
         return self.plan.shard_specs if self.plan is not None else {}
 
     @property
-    def grad_sync(self) -> GradSync | None:
-        """The gradient averaging (None before the model is placed); read it, e.g. to time it."""
-        return self._grad_sync
-
-    @property
-    def partition_plan(self) -> passes.PartitionPlan | None:
-        return self.plan.partition if self.plan is not None else None
-
-    @property
     def signature_cache(self) -> signatures.SignatureCache:
         """The captured input signatures (how many seen, cached, evicted; the advice text)."""
-        return self._programs.cache
+        return self.programs.cache
 
     # --- the step lifecycle (called by the executor) -----------------------------------
 
@@ -140,8 +120,8 @@ class Engine:
             )
         if self._steps == 0:
             self._checkpointing.check_first_step()
-        self._trained.check(lambda: self._grad_sync.follow_requires_grad(list(self.module.parameters())))
-        if self._grad_sync is not None:
+        self._check_trained()
+        if self.grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
         self._steps += 1
@@ -152,37 +132,35 @@ class Engine:
             replicas.broadcast_over(list(self.module.buffers()), self.groups.dp, self.groups.dp_ranks)
 
     def finish_step(self) -> None:
-        self._programs.finish_step()
+        self.programs.finish_step()
         self._checkpointing.finish_step()
-        if self._grad_sync is not None:
-            self._grad_sync.finish_step()
+        if self.grad_sync is not None:
+            self.grad_sync.finish_step()
         if self._finite is not None:
-            if self._backward_ran:
-                named = self.module.named_parameters()
-                grads = [(n, params.applied_grad(p)) for n, p in named if not params.is_nonlocal(p)]
-                self._finite.gradients(grads)
-            self._finite.raise_if_any(self._steps, None)  # on every rank: none is left waiting
+            named = self.module.named_parameters() if self._backward_ran else ()
+            grads = [(n, params.applied_grad(p)) for n, p in named if not params.is_nonlocal(p)]
+            self._finite.end_step(self._steps, grads if self._backward_ran else None)
         if self._backward_ran:
             self._trained.make_final()
-            self._passes_done = (self._passes_done + 1) % self._passes_per_step
-            if self._passes_done == 0:  # the accumulation window is complete
+            if self._accumulation.backward_done():
                 for consumer in self._consumers:
                     consumer.gradients_ready()
-        hooks, self._post_step_hooks = self._post_step_hooks, []
-        for hook in hooks:
-            hook(self.optimizer)
+        _run_once(self._post_step_hooks, self.optimizer)
 
     def fix_trained_parameters(self) -> None:
         """Called by an optimizer that builds state for the parameters requiring grad now (flat
         buffers, shards): from here on that set is final."""
-        self._trained.check(lambda: self._grad_sync.follow_requires_grad(list(self.module.parameters())))
+        self._check_trained()
         self._trained.make_final()
 
+    def _check_trained(self) -> None:
+        self._trained.check(lambda: self.grad_sync.follow_requires_grad(list(self.module.parameters())))
+
     def _start_grad_sync(self) -> None:
-        self._grad_sync.start_step(
+        self.grad_sync.start_step(
             self.config.microbatches,
-            new_window=self._passes_done == 0,
-            sync=self._passes_done + 1 == self._passes_per_step,
+            new_window=self._accumulation.new_window,
+            sync=self._accumulation.last_of_window,
         )
 
     def register_post_step_hook(self, hook: Callable) -> None:
@@ -211,7 +189,7 @@ class Engine:
         signature = signatures.of(args, kwargs)
         if not self.partitioned:
             self._partition(args, kwargs, mb.batch_size, signature)
-        program = self._programs.get(args, kwargs, mb.batch_size, signature, self._trained.changed_names)
+        program = self.programs.get(args, kwargs, mb.batch_size, signature, self._trained.changed_names)
         mb.runtime = program.runtime
         # Each of this rank's stages is its own action: the microbatch pauses between them.
         saving = lambda: self._checkpointing.saving_for(mb.index)  # noqa: E731
@@ -249,25 +227,18 @@ class Engine:
 
     def _partition(self, args: tuple, kwargs: dict, batch_size: int | None, signature) -> None:
         checkpointing = self._checkpointing
-        plan, program = self._programs.plan(
+        plan, program = self.programs.plan(
             args, kwargs, batch_size, signature, checkpointing.regions(), checkpointing.offloader
         )
         self._install(plan)
         self._start_grad_sync()  # this step is under way
-        self._meter = SavedActivationMeter(self.module.parameters())
-        self.track_saved_activations(self._track_activations)
-        if self.config.debug and self.groups.rank == 0:
-            print(plan.partition.report(), flush=True)
-            if plan.tp_coverage is not None:
-                print(plan.tp_coverage, flush=True)
-        report = recompute_report(plan, program)
-        if self.config.debug and report and self.groups.tp_rank == self.groups.rdp_rank == 0:
-            print(report, flush=True)
-        self._run_post_partition_hooks()
+        if self.config.debug:
+            debug_report(plan, program, self.groups)
+        _run_once(self._post_partition_hooks, self.optimizer)
 
     def _install(self, plan: Plan) -> None:
         self.plan = plan
-        self._grad_sync = GradSync(
+        self.grad_sync = GradSync(
             list(self.module.parameters()),
             plan.grad_group,
             list(plan.shared),
@@ -275,7 +246,6 @@ class Engine:
             self.dtype is not None,
             plan.stage_reads,
         )
-        self._shared_groups = {id(p): group for _, p, group in plan.shared}
         # A captured model's stage graphs and optimizer state are built for the set at partition.
         self._trained.take(final=self.captures)
 
@@ -297,59 +267,32 @@ class Engine:
 
     def use_flat_grads(self, grads: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
         """An optimizer's flat gradient buffer, which the gradient averaging then works in."""
-        if self._grad_sync is not None:
-            self._grad_sync.use_flat_grads(grads, params, offsets)
+        if self.grad_sync is not None:
+            self.grad_sync.use_flat_grads(grads, params, offsets)
 
     def counts_in_norm(self, param: torch.Tensor) -> bool:
-        """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
-        always; replicated parameters on tp rank 0; a parameter shared by stages on its first one."""
-        if id(param) not in self.shard_specs and self.groups.tp_rank != 0:
-            return False
-        group = self._shared_groups.get(id(param))
-        return group is None or dist.get_global_rank(group, 0) == dist.get_rank()
+        """Whether this rank counts `param` in a global norm over the model-parallel ranks."""
+        if self.plan is None:
+            return self.groups.tp_rank == 0
+        return self.plan.counts_in_norm(param, self.groups.tp_rank)
 
     def register_post_partition_hook(self, hook: Callable) -> None:
         """hook(model, optimizer) runs once partitioned (at once if it already is)."""
         self._post_partition_hooks.append(hook)
         if self.partitioned:
-            self._run_post_partition_hooks()
-
-    def _run_post_partition_hooks(self) -> None:
-        hooks, self._post_partition_hooks = self._post_partition_hooks, []
-        for hook in hooks:
-            hook(self.optimizer)
+            _run_once(self._post_partition_hooks, self.optimizer)
 
     # --- state ---------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return model_state.full_state_dict(self.module, self.state_keys, self.shard_specs, self.groups)
+    @property
+    def state(self) -> model_state.ModelState:
+        """The model's state as the original module's, in the layout of now (state dicts, checkpoints)."""
+        return model_state.ModelState(self.module, self.state_keys, self.shard_specs, self.groups)
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
-        model_state.load_full_state_dict(
-            self.module, state_dict, self.state_keys, self.shard_specs, self.groups, strict
-        )
 
-    def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        return model_state.local_part(param, full, self.shard_specs, self.groups)
-
-    def state_places(self) -> model_state.StatePlaces:
-        """Where this rank's tensors sit in the original model (a collective over the pipeline group)."""
-        return model_state.state_places(self.module, self.state_keys, self.shard_specs, self.groups)
-
-    # --- saved activations ---------------------------------------------------------------
-
-    def track_saved_activations(self, enabled: bool) -> None:
-        self._track_activations = enabled
-        self._programs.meter_with(self._meter if enabled else None)
-
-    def saved_activation_bytes(self) -> dict[str, int]:
-        """Saved activations, live and peak; and the peak of the output gradients zero_bubble's
-        W keeps (0 under the other schedules)."""
-        meter = self._meter
-        if meter is None:
-            return {"live": 0, "peak": 0, "kept_gradients_peak": 0}
-        return {
-            "live": meter.live_bytes,
-            "peak": meter.peak_bytes,
-            "kept_gradients_peak": meter.gradient_peak_bytes,
-        }
+def _run_once(hooks: list[Callable], optimizer) -> None:
+    """Runs hook(optimizer) for each hook and forgets them."""
+    pending = list(hooks)
+    hooks.clear()
+    for hook in pending:
+        hook(optimizer)

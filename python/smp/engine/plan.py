@@ -68,6 +68,14 @@ class Plan:
     # Checkpointed regions the partition cut in two (for `debug`).
     split_regions: tuple[str, ...] = ()
 
+    def counts_in_norm(self, param: torch.Tensor, tp_rank: int) -> bool:
+        """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
+        always; replicated parameters on tp rank 0; a parameter shared by stages on its first one."""
+        if id(param) not in self.shard_specs and tp_rank != 0:
+            return False
+        group = next((g for _, p, g in self.shared if p is param), None)
+        return group is None or dist.get_global_rank(group, 0) == dist.get_rank()
+
     @property
     def own_stages(self) -> tuple[int, ...]:
         """The stages this rank runs."""

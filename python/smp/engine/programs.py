@@ -31,7 +31,8 @@ class Programs:
         self._trace_execution_times = trace_execution_times
         self.cache = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
         self._modes: frozenset[Flags] = frozenset()  # the train/eval flags planned
-        self._meter: SavedActivationMeter | None = None
+        self._meter: SavedActivationMeter | None = None  # made once planned
+        self._tracking = False  # whether the stages count saved activations on it
         self.building = False  # whether the module is being captured now (on fake tensors)
 
     def plan(
@@ -67,9 +68,11 @@ class Programs:
         with self._building():
             (plan, programs), seconds = signatures.timed(first)
         self._plan = plan
+        self._meter = SavedActivationMeter(self._module.parameters())
         self._modes = frozenset(programs)
         for flags, program in programs.items():
             self.cache.put(flags, signature, program, seconds / len(programs))
+        self.track_saved_activations(self._tracking)
         return plan, programs[training_flags(self._module)]
 
     def get(
@@ -93,7 +96,7 @@ class Programs:
                 program, seconds = signatures.timed(
                     lambda: build(self._plan, flags, args, kwargs, batch_size, self._config, self._groups)
                 )
-            program.runtime.meter = self._meter
+            program.runtime.meter = self._meter if self._tracking else None
             self.cache.put(key, signature, program, seconds)
         return program
 
@@ -101,11 +104,22 @@ class Programs:
         for program in self.cache.values():
             program.runtime.finish_step()
 
-    def meter_with(self, meter: SavedActivationMeter | None) -> None:
-        """Every program's stages (and later ones') count their saved activations on `meter`."""
-        self._meter = meter
+    def track_saved_activations(self, enabled: bool) -> None:
+        """Whether every program's stages (and later ones') count their saved activations."""
+        self._tracking = enabled
         for program in self.cache.values():
-            program.runtime.meter = meter
+            program.runtime.meter = self._meter if enabled else None
+
+    def saved_activation_bytes(self) -> dict[str, int]:
+        """Saved activations, live and peak; and the peak of the output gradients kept for W."""
+        meter = self._meter
+        if meter is None:
+            return {"live": 0, "peak": 0, "kept_gradients_peak": 0}
+        return {
+            "live": meter.live_bytes,
+            "peak": meter.peak_bytes,
+            "kept_gradients_peak": meter.gradient_peak_bytes,
+        }
 
     @contextlib.contextmanager
     def _building(self):

@@ -36,7 +36,7 @@ import operator
 import torch
 from torch import fx
 
-from smp.passes.tensor_parallel.linear_forms import canonicalize_linears, linear_in_out
+from smp.passes.linear_forms import canonicalize_linears, linear_in_out
 
 # The linear-like ops: where their input, weight and bias are among the arguments, and how the
 # weight gradient is formed from the input x and the output gradient g: "out_in" (weight [out, in])

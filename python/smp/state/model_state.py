@@ -151,3 +151,27 @@ def model_slices(places: StatePlaces, for_save: bool) -> dict[str, Slices]:
             continue
         items[key] = Slices(placement.global_shape, t.dtype).add_local(t.detach(), placement)
     return items
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """A model's state spoken of as the original module's, whatever the layout: `module` holds this
+    rank's part, cut as `specs` say, under the original's `keys`."""
+
+    module: nn.Module
+    keys: list[str]
+    specs: Mapping[int, passes.ShardSpec]
+    groups: ParallelGroups
+
+    def full(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.module, self.keys, self.specs, self.groups)
+
+    def load(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+        load_full_state_dict(self.module, state_dict, self.keys, self.specs, self.groups, strict)
+
+    def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return local_part(param, full, self.specs, self.groups)
+
+    def places(self) -> StatePlaces:
+        """Where this rank's tensors sit in the original model (a collective over the pipeline group)."""
+        return state_places(self.module, self.keys, self.specs, self.groups)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from ..fx_utils import fetch_attr
+from .fx_utils import fetch_attr
 
 aten = torch.ops.aten
 
