@@ -86,7 +86,7 @@ class _DoneWork:
 def event_costs(n: int = 200_000) -> dict[str, float]:
     """ns per call, in one process: the recorder's work per event, which the machine's other
     load moves far less than a whole step's time."""
-    from smp.config import TimelineOptions
+    from smp.config_options import TimelineOptions
     from smp.services import timeline
 
     recorder = timeline.Recorder(TimelineOptions(), {"rank": 0, "stage": 0, "tp": 0, "rdp": 0}, 0)

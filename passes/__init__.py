@@ -15,23 +15,23 @@ Running `pipe.stages` in order, feeding each the values it receives, computes th
 model's forward; smp.DistributedModel does that across processes.
 
 Modules: capture.py (torch.export), cost.py (FLOPs, bytes, measured times), partition.py
-(pipeline stages), split.py (one GraphModule per stage), outline.py and regions.py (module
-regions moved into submodules: activation checkpointing), fx_utils.py (helpers they share), and
-the tensor_parallel/ package (the rewrite driver, its layout algebra, and a registry of rules,
-one per op, in rules/ by op family). This folder is installed as smp.passes (setup.py maps it).
+(pipeline stages), follow.py (stages of another capture, following a partition), split.py (one
+GraphModule per stage), outline.py and regions.py (module regions moved into submodules:
+activation checkpointing), linear_forms.py (every spelling of a linear layer made one),
+fx_utils.py (helpers they share), and the tensor_parallel/ package (the rewrite driver, its
+layout algebra, and a registry of rules, one per op, in rules/ by op family). This folder is
+installed as smp.passes (setup.py maps it).
 """
 
 from . import cost, outline, regions
 from .capture import CapturedGraph, CaptureError, capture
+from .follow import follow_modules, follow_partition, module_stages
 from .partition import (
     PartitionError,
     PartitionPlan,
     Segment,
     auto_partition,
-    follow_modules,
-    follow_partition,
     manual_partition,
-    module_stages,
     plan_from_assignment,
     segments,
 )

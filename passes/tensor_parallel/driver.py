@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
 
 from ..fx_utils import fetch_attr, module_stack, parent_path
 from . import registry
@@ -288,11 +290,22 @@ def _shared_reason(target: str, reader: str) -> str:
 
 
 def _infer_val(node: fx.Node):
-    """The node's result on the fake values of its inputs (fake tensors carry their own mode)."""
+    """The node's result on the fake values of its inputs, computed by their fake mode alone.
+
+    Inside the mode and below autograd, an op reaches only its fake (or meta) kernel. Called plainly
+    on fakes, an smp op would first run its C++ Autograd kernel: an autograd node over the fake
+    parameters (which require grad, as torch.export records them), then the C++ forward on the fakes,
+    which throws from inside the kernel on the local-and-whole mixes this pass asks about. That
+    call killed every rank with SIGSEGV on a GPU (issue 31), while the same throw was caught on CPU.
+    """
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    fakes = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, FakeTensor)]
+    if not fakes:
+        return None  # nothing recorded to infer from: leave it unknown, never run a real kernel
     try:
-        return node.target(*args, **kwargs)
-    except Exception:  # an input without a recorded value: leave it unknown
+        with fakes[0].fake_mode, torch._C._AutoDispatchBelowAutograd():
+            return node.target(*args, **kwargs)
+    except Exception:  # values the op refuses (or an input without a recorded value): unknown
         return None
 
 

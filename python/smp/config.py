@@ -20,6 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from smp import schedules
+from smp.config_options import (
+    TimelineOptions,
+    check_compile,
+    check_timeline,
+    check_timeout,
+    type_error,
+)
 
 DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
 LAUNCHER_VAR = "SM_HP_MP_PARAMETERS"  # above it, as on SageMaker
@@ -60,16 +67,6 @@ NULL_MEANS_DEFAULT = ("default_partition",)
 
 
 TIMELINE_VAR = "SMP_TIMELINE"  # a directory: the timeline on, written there
-
-
-@dataclasses.dataclass(frozen=True)
-class TimelineOptions:
-    """What the pipeline timeline records and when it writes (see smp.services.timeline)."""
-
-    path: str = "smp_timeline"  # the directory rank 0 writes timeline.json and timeline.png in
-    start: int = 1  # the first step recorded (1: the first @smp.step call)
-    steps: int | None = None  # how many steps to record (None: every step from `start` on)
-    every: int | None = None  # write after every N recorded steps (None: once `steps` are recorded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +162,6 @@ class Config:
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
-MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
 # The pipeline schedules are smp.schedules' kinds.
 _CHOICES = {"pipeline": schedules.NAMES, "optimize": ("speed", "memory")}
 
@@ -254,24 +250,20 @@ def _unknown_key_message(key: str) -> str:
     return f"smp config: unknown key '{key}'{hint}"
 
 
-def _type_error(name: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"smp config: '{name}' must be {expected}, got {value!r} ({type(value).__name__})")
-
-
 def _check_value(name: str, value: Any) -> Any:
     default = _FIELDS[name].default
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise _type_error(name, value, "true or false")
+            raise type_error(name, value, "true or false")
         return value
     if name == "memory_weight":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _type_error(name, value, "a number in [0, 1]")
+            raise type_error(name, value, "a number in [0, 1]")
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"smp config: 'memory_weight' must be in [0, 1], got {value!r}")
         return float(value)
     if name in ("placement_strategy", *_CHOICES) and not isinstance(value, str):
-        raise _type_error(name, value, "a string")  # (a list or dict is not even hashable)
+        raise type_error(name, value, "a string")  # (a list or dict is not even hashable)
     if name == "placement_strategy":
         if value not in PLACEMENT_ALIASES and value not in PLACEMENT_ORDERS:
             raise ValueError(
@@ -281,7 +273,7 @@ def _check_value(name: str, value: Any) -> Any:
         return value
     if name == "ordered_messages":
         if value is not None and not isinstance(value, bool):
-            raise _type_error(name, value, "true, false or null (null: on for CUDA, off for CPU)")
+            raise type_error(name, value, "true, false or null (null: on for CUDA, off for CPU)")
         return value
     if name == "timeout":
         return check_timeout(value, "'timeout'")
@@ -298,88 +290,12 @@ def _check_value(name: str, value: Any) -> Any:
     if value is None and name == "active_microbatches":
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, value, "an integer")
+        raise type_error(name, value, "an integer")
     if (name in _POSITIVE_INTS or name == "active_microbatches") and value < 1:
         raise ValueError(f"smp config: '{name}' must be a positive integer, got {value!r}")
     if name == "default_partition" and value < 0:
         raise ValueError(f"smp config: 'default_partition' must be >= 0, got {value!r}")
     return value
-
-
-def check_timeout(value: Any, what: str) -> float | None:
-    """A group timeout in seconds: a finite number in (0, MAX_TIMEOUT_SECONDS], or None (the default)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"smp config: {what} must be a number of seconds, got {value!r} ({type(value).__name__}); "
-            "e.g. 'timeout': 300"
-        )
-    if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also false for NaN
-        raise ValueError(
-            f"smp config: {what} must be in (0, {MAX_TIMEOUT_SECONDS}] seconds, got {value!r}; "
-            "give the longest a rank may wait for a peer, e.g. 300"
-        )
-    return float(value)
-
-
-_TIMELINE_KEYS = {f.name for f in dataclasses.fields(TimelineOptions)}
-
-
-def check_timeline(value: Any) -> TimelineOptions | None:
-    """'timeline': true/false/null, or a dict of TimelineOptions' fields."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return TimelineOptions()
-    if not isinstance(value, Mapping):
-        raise _type_error("timeline", value, 'true, false or a dict like {"path": "timeline", "every": 10}')
-    unknown = sorted(str(k) for k in value if k not in _TIMELINE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"smp config: 'timeline' has unknown key(s) {', '.join(repr(k) for k in unknown)}; "
-            f"valid keys: {', '.join(sorted(_TIMELINE_KEYS))}"
-        )
-    path = value.get("path", TimelineOptions.path)
-    if not isinstance(path, str) or not path:
-        raise ValueError(
-            f"smp config: 'timeline' path must be a non-empty string (a directory), got {path!r}"
-        )
-    counts = {}
-    for key in ("start", "steps", "every"):
-        n = value.get(key, getattr(TimelineOptions, key))
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(
-                f"smp config: 'timeline' {key} must be a positive integer (a number of steps), got {n!r}"
-            )
-        counts[key] = n
-    return TimelineOptions(path=path, **counts)
-
-
-_COMPILE_KEYS = ("backend", "mode", "dynamic", "fullgraph", "options")
-
-
-def check_compile(value: Any) -> dict | None:
-    """'compile': true/false/null, or a dict of torch.compile's keyword arguments."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return {}
-    if not isinstance(value, Mapping):
-        raise _type_error(
-            "compile", value, 'true, false or a dict like {"backend": "inductor", "dynamic": false}'
-        )
-    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"smp config: 'compile' has unknown key(s) {', '.join(repr(k) for k in unknown)}; "
-            f"valid keys (torch.compile's arguments): {', '.join(_COMPILE_KEYS)}"
-        )
-    if "dynamic" in value and value["dynamic"] not in (True, False, None):
-        raise ValueError(
-            f"smp config: 'compile' dynamic must be true, false or null, got {value['dynamic']!r}"
-        )
-    return dict(value)
 
 
 def _check_combination(config: Config) -> Config:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from smp import config as config_lib
 from smp import faults
 from smp._backend import BACKEND_NAME
+from smp.config_options import check_timeout
 from smp.groups import ParallelGroups
 from smp.services import timeline
 from smp.topology import CommGroup, Topology
@@ -131,7 +132,7 @@ def _with_timeout(cfg: config_lib.Config, timeout: Any) -> config_lib.Config:
             f"smp.init: timeout must be a datetime.timedelta, got {timeout!r} ({type(timeout).__name__}); "
             "e.g. smp.init(config, timeout=datetime.timedelta(minutes=5))"
         )
-    seconds = config_lib.check_timeout(timeout.total_seconds(), "smp.init's timeout")
+    seconds = check_timeout(timeout.total_seconds(), "smp.init's timeout")
     if cfg.timeout is not None and cfg.timeout != seconds:
         raise ValueError(
             f"smp.init: timeout={timeout} disagrees with the config's 'timeout' ({cfg.timeout} s); "

@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from smp import faults
-from smp.config import TimelineOptions
+from smp.config_options import TimelineOptions
 
 now = time.perf_counter_ns  # the clock every event uses (ns, monotonic)
 
