@@ -12,7 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from smp import _C
+import smp._C as _C
 
 BACKEND_NAME = "smp"
 

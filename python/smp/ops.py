@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (fake kernels of _c10d_functional)
 from torch import Tensor
 
-from smp import _C  # noqa: F401  (loads the library that defines torch.ops.smp)
+import smp._C  # noqa: F401  (loads the library that defines torch.ops.smp)
 
 __all__ = [
     "column_parallel_linear",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from smp import passes
+import smp.passes as passes
 from smp._backend import BACKEND_NAME
 from smp.groups import ParallelGroups
 from smp.topology import CommGroup

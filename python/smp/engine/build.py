@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from smp import passes, recompute
+import smp.passes as passes
+from smp import recompute
 from smp.config import Config
 from smp.engine import compiled, delayed_init
 from smp.engine.plan import Flags, Plan, combined_batch

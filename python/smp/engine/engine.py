@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import hf, params, passes, recompute
+import smp.passes as passes
+from smp import hf, params, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync

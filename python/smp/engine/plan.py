@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import passes, recompute
+import smp.passes as passes
+from smp import recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.engine import delayed_init

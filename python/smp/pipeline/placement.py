@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+import smp.passes as passes
 from smp import params as param_facts
-from smp import passes
 from smp.config import Config
 from smp.passes.fx_utils import COMPUTE_OPS, fetch_attr
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import passes
+import smp.passes as passes
 from smp.groups import ParallelGroups
 from smp.state.sliced import Placement, Slices
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from smp import passes
+import smp.passes as passes
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

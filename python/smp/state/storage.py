@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from smp import parallel_state
 from smp.state.sliced import Slices, assemble
 
 _MODEL_FILE = "model.pt"  # a full checkpoint's model: a plain state_dict, loadable without smp
@@ -40,7 +39,7 @@ def save(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None =
 def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None = None) -> None:
     """Gathers every rank's slices to global rank 0, which writes whole tensors (a collective
     over `group`, the world's)."""
-    rank0 = parallel_state.rank() == 0
+    rank0 = dist.get_rank() == 0  # the world's first rank, where gather_object's dst=0 sends
     mine = []
     for key, value in tensors.items():
         if isinstance(value, Slices):
@@ -52,7 +51,7 @@ def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | 
             mine.append((key, tuple(value.global_shape), value.dtype, pieces))
         else:
             mine.append((key, tuple(value.shape), value.dtype, [((0,) * value.dim(), value.detach().cpu())]))
-    gathered: list[Any] | None = [None] * parallel_state.size() if rank0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank0 else None
     dist.gather_object(None if rank0 else mine, gathered, dst=0, group=group)  # rank 0 keeps its own
     if not rank0:
         return

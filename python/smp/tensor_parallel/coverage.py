@@ -7,7 +7,7 @@ import dataclasses
 
 from torch import nn
 
-from smp import passes
+import smp.passes as passes
 from smp.passes.fx_utils import parent_path
 
 # Below this share of the marked matrix bytes sharded, smp warns.

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+import smp.passes as passes
 from smp import params as param_facts
-from smp import passes
 from smp.passes.fx_utils import COMPUTE_OPS
 from smp.tensor_parallel import coverage
 
