@@ -129,14 +129,9 @@ def held(layout: Layout, rank: int, layers: int) -> tuple[int, bool, bool]:
 
 
 def alive(layout: Layout, stage: int) -> int:
-    """Microbatches whose activations a pipeline rank holds at once (schedules/), in
-    units of the rank's whole share of the layers: "zero_bubble_v" holds up to 2 min(active, pp, m)
-    half-size stage-microbatches on every rank."""
-    if layout.pipeline == "simple":
-        return layout.microbatches
-    if layout.pipeline == "zero_bubble_v":
-        return min(layout.active, layout.pp, layout.microbatches)
-    return min(layout.active, layout.pp - stage, layout.microbatches)
+    """Microbatches whose activations a pipeline rank holds at once, in units of the rank's whole
+    share of the layers (the schedule's own bound, smp.schedules.Kind.held)."""
+    return schedules.Schedule(layout.pipeline, layout.pp, layout.microbatches, layout.active).held(stage)
 
 
 def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Runtime = SMP) -> Breakdown:

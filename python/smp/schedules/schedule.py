@@ -20,9 +20,12 @@ class Kind:
 
     stages_per_rank: int  # the model is cut into this many stages per pipeline rank
     splits_backward: bool  # B is only the input gradients; W (weight gradients) is its own action
-    # (num_ranks, microbatches, active_microbatches) -> every rank's actions (the kinds with one
-    # stage per rank may also compute one rank's alone: see rank_actions).
+    # (num_ranks, microbatches, active_microbatches) -> every rank's actions.
     lists: Callable[[int, int, int], tuple[tuple[Action, ...], ...]]
+    # (rank, num_ranks, microbatches, active_microbatches) -> the most microbatches whose
+    # activations the rank holds at once, in units of its whole share of the layers (the planner's
+    # memory model).
+    held: Callable[[int, int, int, int], int]
 
 
 def _one_f_one_b(num_ranks: int, microbatches: int, active: int) -> tuple[tuple[Action, ...], ...]:
@@ -49,11 +52,25 @@ def _gpipe(num_ranks: int, microbatches: int, active: int) -> tuple[tuple[Action
     )
 
 
+def _held_gpipe(rank: int, num_ranks: int, microbatches: int, active: int) -> int:
+    return microbatches  # every microbatch's activations at once
+
+
+def _held_one_f_one_b(rank: int, num_ranks: int, microbatches: int, active: int) -> int:
+    # 1F1B's in-flight limit; ZB-H1 keeps it (a microbatch held from its F to its W).
+    return zero_bubble.in_flight_limit(rank, num_ranks, microbatches, active)
+
+
+def _held_v(rank: int, num_ranks: int, microbatches: int, active: int) -> int:
+    # Up to 2 min(active, p, m) half-size stage-microbatches on every rank.
+    return min(active, num_ranks, microbatches)
+
+
 KINDS: dict[str, Kind] = {
-    "interleaved": Kind(1, False, _one_f_one_b),
-    "simple": Kind(1, False, _gpipe),
-    "zero_bubble": Kind(1, True, zero_bubble.zero_bubble),
-    "zero_bubble_v": Kind(2, True, zero_bubble.zero_bubble_v),
+    "interleaved": Kind(1, False, _one_f_one_b, _held_one_f_one_b),
+    "simple": Kind(1, False, _gpipe, _held_gpipe),
+    "zero_bubble": Kind(1, True, zero_bubble.zero_bubble, _held_one_f_one_b),
+    "zero_bubble_v": Kind(2, True, zero_bubble.zero_bubble_v, _held_v),
 }
 NAMES = tuple(KINDS)
 
@@ -104,6 +121,11 @@ class Schedule:
 
     def slots(self) -> list[list[Action | None]]:
         return unit_time_slots(self.name, self.num_ranks, self.microbatches, self.active_microbatches)
+
+    def held(self, rank: int) -> int:
+        """The most microbatches whose activations `rank` holds at once, in units of its whole share
+        of the layers (a bound the action lists keep)."""
+        return kind(self.name).held(rank, self.num_ranks, self.microbatches, self.active_microbatches)
 
     def waits_for(self, action: Action) -> tuple[str, int, int] | None:
         """The action (kind, microbatch, stage) whose message `action` waits for, or None."""
