@@ -67,6 +67,12 @@ def _worker(fn, rank, world_size, init_file, port, env, init, group_timeout, han
 
     # The fork server loaded OpenMP before this rank's variables were set.
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        # Ranks share a GPU, which NCCL refuses to ranks of one host: each rank reports a host of
+        # its own, and NCCL's network transport over loopback is used (tests/gpu.sh runs so).
+        os.environ["NCCL_HOSTID"] = f"smp-test-rank-{rank}"
+        os.environ.setdefault("NCCL_P2P_DISABLE", "1")
+        os.environ.setdefault("NCCL_SHM_DISABLE", "1")
     # As torchrun sets them, so code under test may use env:// (smp.init does).
     os.environ.update(
         RANK=str(rank),

@@ -2,7 +2,7 @@
 
 On CPU the throttle is opt-in (SMP_GLOO_THROTTLE_LIMIT); the same C++ unit
 bounds NCCL work (SMP_NCCL_THROTTLE_LIMIT), which the CUDA test covers where a
-GPU exists.
+GPU exists: two NCCL ranks, on one GPU each or sharing the only one.
 """
 
 from __future__ import annotations
@@ -175,27 +175,63 @@ def stuck_forever(rank, world_size):
         threading.Event().wait()
 
 
-def cuda_many_async(rank, world_size, limit):
+CUDA_OPS = 100
+CUDA_NUMEL = 8 << 20  # 32 MiB of float32: an all_reduce long enough for the queue to build
+CUDA_LIMIT = 2
+
+
+def cuda_many_async_all_reduces(rank, world_size):
+    """100 async all_reduces of 32 MiB over NCCL, launched before any is waited on."""
     import smp
 
-    torch.cuda.set_device(0)
-    tensors = [torch.full((1 << 20,), float(i), device="cuda") for i in range(200)]
+    shared = torch.cuda.device_count() < world_size
+    if shared:  # ranks share a GPU: one NCCL "host" per rank, NCCL's network transport over loopback
+        os.environ["NCCL_HOSTID"] = f"smp-throttle-rank-{rank}"
+    torch.cuda.set_device(0 if shared else rank)
+    tensors = [torch.full((CUDA_NUMEL,), float(rank + i), device="cuda") for i in range(CUDA_OPS)]
+    torch.cuda.synchronize()
     works = [dist.all_reduce(t, async_op=True) for t in tensors]
     for w in works:
         w.wait()
     torch.cuda.synchronize()
-    for i, t in enumerate(tensors):
-        assert torch.equal(t, torch.full_like(t, float(i))), i
-    return smp.backend_stats()["cuda"]
+    # Sum over ranks of (rank + i) = i*W + W(W-1)/2, as on the CPU.
+    wrong = [
+        i
+        for i, t in enumerate(tensors)
+        if not torch.equal(t, torch.full_like(t, float(i * world_size + world_size * (world_size - 1) // 2)))
+    ]
+    return {"wrong": wrong} | smp.backend_stats()["cuda"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_nccl_throttle_world_size_1():
-    (limited,) = run_ranks(cuda_many_async, 1, 8, env={"SMP_NCCL_THROTTLE_LIMIT": "8"})
-    (free,) = run_ranks(cuda_many_async, 1, -1, env={"SMP_NCCL_THROTTLE_LIMIT": "-1"})
-    print(f"cuda throttle: limit 8 -> {limited}; disabled -> {free}")
-    assert limited["launched"] == 200 and limited["peak_outstanding"] <= 8
-    assert free["peak_outstanding"] > limited["peak_outstanding"]
+@pytest.mark.parametrize("limit", [CUDA_LIMIT, -1], ids=["limit2", "disabled"])
+def test_cuda_nccl_throttle_two_ranks(limit):
+    """Two NCCL ranks (sharing one GPU where there is only one): real concurrency, so collectives
+    queue up. At a low limit the throttle holds the queue to the limit and waits; disabled, the
+    queue grows past it. Every sum is right either way."""
+    env = {"SMP_NCCL_THROTTLE_LIMIT": str(limit)}
+    if torch.cuda.device_count() < 2:
+        env |= {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    try:
+        stats = run_ranks(cuda_many_async_all_reduces, 2, env=env, timeout=240, group_timeout=120)
+    except RankFailure as failure:
+        if torch.cuda.device_count() < 2 and "Duplicate GPU" in str(failure):
+            pytest.skip(f"NCCL refused 2 ranks on one GPU: {str(failure)[-600:]}")
+        raise
+    print(f"cuda throttle, SMP_NCCL_THROTTLE_LIMIT={limit}: {stats}")
+    for s in stats:
+        assert s["wrong"] == [], s
+        assert s["limit"] == limit
+        assert s["launched"] == CUDA_OPS
+        assert s["outstanding"] == 0
+    if limit > 0:
+        for s in stats:
+            assert s["peak_outstanding"] <= limit, s
+            assert s["throttle_waits"] > 0, s
+    else:
+        for s in stats:
+            assert s["throttle_waits"] == 0, s
+        assert max(s["peak_outstanding"] for s in stats) > CUDA_LIMIT, stats
 
 
 def test_smp_backend_is_registered_for_cpu_and_cuda():
