@@ -51,7 +51,13 @@ def build(
     """This rank's program for inputs `args`/`kwargs` (the module in the modes `flags`); `pipe` is
     their split pipeline when planning made it (the first signature)."""
     if pipe is None:
-        pipe = _split_following(plan, flags, args, kwargs, batch_size, config, groups)
+        with plan.skeleton.swapped_in():
+            captured = passes.capture(
+                plan.skeleton.module, *delayed_init.to_meta((tuple(args), dict(kwargs)))
+            )
+        delayed_init.retarget(captured.graph_module, plan.device)
+        tp_batch = combined_batch(config, groups, batch_size) if groups.tp_size > 1 else None
+        pipe = _split_following(plan, captured, flags, config.colocate_shared_parameters, groups, tp_batch)
     checkpointed = {}
     for s in plan.own_stages:
         stage = pipe.stages[s]
@@ -103,20 +109,10 @@ def recompute_report(plan: Plan, program: Program) -> str:
 
 
 def _split_following(
-    plan: Plan,
-    flags: Flags,
-    args: tuple,
-    kwargs: dict,
-    batch_size: int | None,
-    config: Config,
-    groups: ParallelGroups,
+    plan: Plan, captured, flags: Flags, colocate: bool, groups: ParallelGroups, tp_batch: int | None
 ) -> passes.PipelineGraph:
-    """A new signature captured on the skeleton, cut as the plan says, this rank's stages reading
-    its real tensors (the others' dropped)."""
-    colocate = config.colocate_shared_parameters
-    with plan.skeleton.swapped_in():
-        captured = passes.capture(plan.skeleton.module, *delayed_init.to_meta((tuple(args), dict(kwargs))))
-    delayed_init.retarget(captured.graph_module, plan.device)
+    """A new signature's capture (on the skeleton) cut as the plan says, this rank's stages reading
+    its real tensors (the others' dropped). `tp_batch`: the tensor-parallel group's combined batch."""
     gm = captured.graph_module
     partition = passes.follow_modules(gm, plan.module_stages[flags], plan.schedule.num_stages, colocate)
     if groups.tp_size > 1:
@@ -125,7 +121,7 @@ def _split_following(
             partition,
             groups.tp,
             set(plan.marked),
-            combined_batch(config, groups, batch_size),
+            tp_batch,
             _shards(plan),
             dict(plan.replicated),
             colocate,
