@@ -17,6 +17,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The length of this rank's slice of input along d (dim wrapped); fails
+// unless the group size divides the dimension.
+c10::SymInt splitLength(const at::Tensor& input, int64_t d, int64_t dim,
+                        const std::string& group_name) {
+  const int64_t size = groupSize(group_name);
+  const c10::SymInt& length = input.sym_size(d);
+  TORCH_CHECK(length % size == 0, "smp::tp_split: the size of dim ", dim, " (",
+              length, ") does not divide by the group size (", size,
+              "); input shape ", input.sym_sizes());
+  return length / size;
+}
+
 class TpGatherFn : public torch::autograd::Function<TpGatherFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
@@ -97,13 +109,17 @@ class TpCopyFn : public torch::autograd::Function<TpCopyFn> {
   }
 };
 
+// Arguments are checked before Function::apply builds any autograd state
+// (see linear.cpp).
 at::Tensor tpGatherAutograd(const at::Tensor& input, int64_t dim,
                             const std::string& group_name) {
+  wrapDim("smp::tp_gather", dim, input);
   return TpGatherFn::apply(input, dim, group_name);
 }
 
 at::Tensor tpSplitAutograd(const at::Tensor& input, int64_t dim,
                            double grad_scale, const std::string& group_name) {
+  splitLength(input, wrapDim("smp::tp_split", dim, input), dim, group_name);
   return TpSplitFn::apply(input, dim, grad_scale, group_name);
 }
 
@@ -114,6 +130,7 @@ at::Tensor tpReduceAutograd(const at::Tensor& input,
 
 at::Tensor tpCopyAutograd(const at::Tensor& input,
                           const std::string& group_name) {
+  groupSize(group_name);  // a bad group name fails here
   return TpCopyFn::apply(input, group_name);
 }
 
@@ -127,12 +144,7 @@ at::Tensor tpGather(const at::Tensor& input, int64_t dim,
 at::Tensor tpSplit(const at::Tensor& input, int64_t dim, double /*grad_scale*/,
                    const std::string& group_name) {
   const int64_t d = wrapDim("smp::tp_split", dim, input);
-  const int64_t size = groupSize(group_name);
-  const c10::SymInt& length = input.sym_size(d);
-  TORCH_CHECK(length % size == 0, "smp::tp_split: the size of dim ", dim, " (",
-              length, ") does not divide by the group size (", size,
-              "); input shape ", input.sym_sizes());
-  const c10::SymInt chunk = length / size;
+  const c10::SymInt chunk = splitLength(input, d, dim, group_name);
   // A copy: the output must not alias the input.
   return input.narrow_symint(d, chunk * groupRank(group_name), chunk)
       .clone(at::MemoryFormat::Contiguous);

@@ -123,10 +123,15 @@ class RowParallelLinearFn
   }
 };
 
+// The Autograd kernels check their arguments before Function::apply builds
+// any autograd state (a node, edges to the inputs' gradient accumulators):
+// bad arguments throw with nothing half-built over them. The plain forwards
+// check again, for calls that reach them without autograd.
 at::Tensor columnParallelLinearAutograd(const at::Tensor& input,
                                         const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias,
                                         const std::string& group_name) {
+  checkLinear("smp::column_parallel_linear", input, weight, bias);
   return ColumnParallelLinearFn::apply(input, weight, bias, group_name);
 }
 
@@ -134,6 +139,7 @@ at::Tensor rowParallelLinearAutograd(const at::Tensor& input,
                                      const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias,
                                      const std::string& group_name) {
+  checkLinear("smp::row_parallel_linear", input, weight, bias);
   return RowParallelLinearFn::apply(input, weight, bias, group_name);
 }
 

@@ -151,11 +151,14 @@ class VocabParallelCrossEntropyFn
   }
 };
 
+// Arguments are checked before Function::apply builds any autograd state
+// (see linear.cpp).
 at::Tensor vocabParallelEmbeddingAutograd(const at::Tensor& indices,
                                           const at::Tensor& weight,
                                           int64_t vocab_start,
                                           int64_t padding_idx,
                                           const std::string& group_name) {
+  checkEmbedding(indices, weight, vocab_start, padding_idx);
   return VocabParallelEmbeddingFn::apply(indices, weight, vocab_start,
                                          padding_idx, group_name);
 }
@@ -165,6 +168,7 @@ at::Tensor vocabParallelCrossEntropyAutograd(const at::Tensor& logits,
                                              int64_t vocab_start,
                                              int64_t ignore_index,
                                              const std::string& group_name) {
+  checkCrossEntropy(logits, target, vocab_start);
   return VocabParallelCrossEntropyFn::apply(logits, target, vocab_start,
                                             ignore_index, group_name);
 }

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from smp import config as config_lib
-from smp import faults
+from smp import devices, faults
 from smp._backend import BACKEND_NAME
 from smp.config_options import check_timeout
 from smp.groups import ParallelGroups
@@ -90,8 +90,8 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     cfg.check_world(world_size, local_size)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    # The GPU, and NCCL's settings when processes share one, before any NCCL communicator exists.
+    devices.place(local_rank, local_size)
     topology = Topology(
         world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_order
     )

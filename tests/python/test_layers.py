@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
         [
             "config",
             "config_options",
+            "devices",
             "schedules",
             "groups",
             "topology",

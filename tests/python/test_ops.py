@@ -582,3 +582,120 @@ def test_cuda_matches_cpu(group):
     with torch.inference_mode():
         op, args = _args("row_bias", group, dtype=torch.bfloat16, device="cuda")
         assert op(*args).dtype == torch.bfloat16
+
+
+# --- the tensor-parallel pass's value inference on fake tensors (issue 31) -----
+# The pass (passes/tensor_parallel/driver.py `_infer_val`) computes each emitted node's fake value by
+# calling its op on the fake values torch.export recorded, in which parameters require grad. Called
+# outside the fakes' mode, an smp op goes first to its C++ Autograd kernel, which builds an autograd
+# node over the fake parameters and runs the C++ forward on them; for the pass's whole-parameter
+# values next to local activations that forward throws from inside the kernel. That is the call that
+# killed every rank on a GPU. Inferred under the fakes' mode below autograd, the ops reach only their
+# fake kernels (python/smp/ops.py), and no C++ of smp's nor any autograd state touches a fake.
+
+
+def _recording_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Recording(FakeTensorMode):
+        """A fake mode that lists the ops it is asked to run."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def dispatch(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return super().dispatch(func, types, args, kwargs or {})
+
+    return Recording()
+
+
+def _inferred(op, values, group):
+    """_infer_val of one call_function node on these fake values (what the pass emits)."""
+    from smp.passes.tensor_parallel.driver import _infer_val
+    from torch import fx
+
+    graph = fx.Graph()
+    inputs = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            p = graph.placeholder(f"a{i}")
+            p.meta["val"] = v
+            inputs.append(p)
+        else:
+            inputs.append(v)
+    return _infer_val(graph.call_function(op, (*inputs, group.group_name)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # fake CUDA tensors need no GPU
+def test_pass_value_inference_reaches_only_the_fake_kernels(group, device):
+    mode = _recording_fake_mode()
+    with mode:
+        x = torch.empty(2, 3, 8, device=device)  # an activation: no grad, as export records it
+        w = torch.empty(4, 8, device=device).requires_grad_()  # parameters require grad
+        b = torch.empty(4, device=device).requires_grad_()
+        w_row = torch.empty(6, 8, device=device).requires_grad_()
+    cases = {
+        "smp.column_parallel_linear.default": (torch.ops.smp.column_parallel_linear.default, (x, w, b), 4),
+        "smp.row_parallel_linear.default": (torch.ops.smp.row_parallel_linear.default, (x, w_row, None), 6),
+    }
+    for name, (op, values, out_features) in cases.items():
+        mode.seen.clear()
+        out = _inferred(op, values, group)
+        # The mode ran the op itself (its fake kernel makes the output with new_empty), not the
+        # ATen ops of its C++ body (view, t, addmm, ...), as it did when the C++ kernel ran first.
+        assert mode.seen[:1] == [name] and set(mode.seen[1:]) <= {"aten.new_empty.default"}, mode.seen
+        assert out.fake_mode is mode and out.shape == (2, 3, out_features) and out.device.type == device
+        assert out.grad_fn is None and not out.requires_grad, name  # no autograd node over the fakes
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pass_value_inference_of_mismatched_values_fails_in_the_fake_kernel(group, device):
+    """What the pass asked when the GPU runs crashed: a whole bias next to the local weight (GPT-2's
+    fused qkv, column parallel) and a whole weight next to the local input (row parallel). The
+    C++ Autograd kernel threw from inside on these; now only the fake kernel sees them."""
+    mode = _recording_fake_mode()
+    with mode:
+        x = torch.empty(128, 32, device=device)
+        w_local = torch.empty(48, 32, device=device)  # aten.t of the local shard: no grad
+        b_whole = torch.empty(96, device=device).requires_grad_()
+        x_local = torch.empty(8, 16, 16, device=device)
+        w_whole = torch.empty(32, 32, device=device).requires_grad_()
+        b_row = torch.empty(32, device=device).requires_grad_()
+    for op, values in [
+        (torch.ops.smp.column_parallel_linear.default, (x, w_local, b_whole)),
+        (torch.ops.smp.row_parallel_linear.default, (x_local, w_whole, b_row)),
+    ]:
+        mode.seen.clear()
+        assert _inferred(op, values, group) is None  # unknown, as before: the pass sets the value
+        assert mode.seen == [str(op)], mode.seen  # the C++ kernel threw before any op reached the mode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_pass_value_inference_on_a_worker_thread_with_cuda_fakes(group):
+    """The GPU runs' conditions: values torch.export recorded from a CUDA module, mismatched as the
+    pass asks, inferred on a thread other than the main one (the microbatch thread)."""
+    import threading
+
+    from smp import passes
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Linear(96, 32)).cuda()
+    captured = passes.capture(model, (torch.randn(4, 32, device="cuda"),))
+    vals = {n.target: n.meta["val"] for n in captured.graph_module.graph.nodes if n.op == "get_attr"}
+    x = next(n.meta["val"] for n in captured.graph_module.graph.nodes if n.op == "placeholder")
+    local_w = vals["0.weight"].new_empty(48, 32)
+    results = []
+
+    def infer():
+        results.append(
+            _inferred(torch.ops.smp.column_parallel_linear.default, (x, local_w, vals["0.bias"]), group)
+        )
+        results.append(
+            _inferred(torch.ops.smp.row_parallel_linear.default, (x, vals["1.weight"], vals["1.bias"]), group)
+        )
+
+    thread = threading.Thread(target=infer)
+    thread.start()
+    thread.join()
+    assert results == [None, None]
