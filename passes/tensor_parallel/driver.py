@@ -246,6 +246,11 @@ class Rewrite:
             raise Demote(target, _shared_reason(target, self.replicated_uses[target]))
         if self.specs.setdefault(target, spec) != spec:
             raise Demote(target, f"{target} would be split two ways ({self.specs[target]} and {spec})")
+        # The new graph reads this rank's shard: its recorded value is the shard's, so the ops
+        # emitted over it are inferred on local shapes (never on a whole weight beside local ones).
+        new = self.env.get(attr.name)
+        if new is not None and new.meta.get("val") is not None:
+            new.meta["val"] = local_val(attr.meta["val"], Shard(spec.dim, spec.blocks), self.size)
 
     def _read_whole(self, attr: fx.Node) -> None:
         if attr.target in self.specs:

@@ -252,6 +252,10 @@ def test_rewritten_block_runs_as_two_ranks_in_one_process(name):
             local_shape = list(params[target].shape)
             local_shape[spec.dim] //= 2
             assert list(gm.get_parameter(target).shape) == local_shape, target
+            # The graph records the shard's value too, so ops over it are inferred on local shapes
+            # (issue 31: a whole bias beside a local weight made the C++ op throw on fakes).
+            (read,) = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target]
+            assert list(read.meta["val"].shape) == local_shape, target
         definitions = _definitions(exchange, rank)
         called = {n.target for n in gm.graph.nodes if n.op == "call_function"}
         smp_called = {t for t in called if getattr(t, "namespace", None) == "smp"}
