@@ -127,6 +127,16 @@ def test_compile_pp2_tp2_parity():
 
 
 @pytest.mark.slow
+def test_compile_data_parallel_parity():
+    """ "compile" at pp = tp = 1 (two replicas, the model running whole): the model is compiled,
+    once per signature, with the gradient buckets' hooks outside the graph; within 1e-4."""
+    whole = {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 1}
+    for r in run_ranks(_compiled, 2, whole, timeout=500):
+        assert r["loss_err"] < 1e-4 and r["param_err"] < 1e-4, r
+        assert r["compiles"] == len(COMPILE_STEPS), r
+
+
+@pytest.mark.slow
 def test_compile_zero_bubble_v_parity():
     """ "compile" under zero_bubble_v at pp=2: both of a rank's stages compiled, once per signature
     each (2 stages x 2 signatures), within 1e-4 of one process."""

@@ -1,9 +1,12 @@
-"""torch.compile of the stage graphs (config key 'compile'), counting compilations.
+"""torch.compile of the stage graphs, or of a model that runs whole (config key 'compile'),
+counting compilations.
 
 Each cached input signature has its own stage graph, compiled on its first call: a
 compilation per (signature, mode) is expected, and the count tells a user what the shape
 changes cost. Pipeline messages stay outside the compiled region (the stage runtime sends
-and receives around the call); tensor-parallel collectives are custom ops inside it.
+and receives around the call); tensor-parallel collectives are custom ops inside it. A model
+that runs whole (data parallelism alone) is compiled as a module: the gradient buckets'
+hooks on its parameters run outside the graph, after each gradient is accumulated.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class _Counting:
 
 
 def compile_stage(module: nn.Module, options: dict[str, Any]) -> nn.Module:
-    """`module` (a stage graph) compiled with torch.compile's `options` (inductor by default)."""
+    """`module` (a stage graph, or a model that runs whole) compiled with torch.compile's `options`
+    (inductor by default)."""
     return torch.compile(
         module,
         backend=_Counting(options),

@@ -24,7 +24,7 @@ from smp import hf, params, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
-from smp.engine import inputs, signatures
+from smp.engine import compiled, inputs, signatures
 from smp.engine.accumulation import Accumulation
 from smp.engine.build import debug_report
 from smp.engine.plan import Plan, place_whole, rank_device
@@ -75,12 +75,15 @@ class Engine:
         self._checkpointing = recompute.Checkpointing(
             module, config.offload_activations, config.activation_loading_horizon, self.captures
         )
-        self._steps = 0  # steps started
+        self.steps_run = 0  # @smp.step calls started (training or evaluation)
         # NaN/inf report (not in fp16, where they are the loss scaler's overflow signal).
         checks = (config.check_finite or config.debug) and not config.fp16
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
+        self._whole = module  # what a forward calls when the model runs whole
         if not self.captures:
             self._install(place_whole(module, config, groups))
+            if config.compile is not None:  # smp's hooks (gradient buckets) stay outside the graph
+                self._whole = compiled.compile_stage(module, config.compile)
         for layer in recompute.hf_flags.take(module):
             self.set_activation_checkpointing(recompute.request(module, layer, True, False, "each"))
 
@@ -90,11 +93,6 @@ class Engine:
     def captures(self) -> bool:
         """Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers)."""
         return self.groups.pp_size > 1 or self.groups.tp_size > 1
-
-    @property
-    def steps_run(self) -> int:
-        """How many @smp.step calls have started (training or evaluation)."""
-        return self._steps
 
     @property
     def partitioned(self) -> bool:
@@ -119,13 +117,13 @@ class Engine:
                 "its activations may still be in flight between stages, so this pipeline cannot run "
                 "another step: restart the job (from a checkpoint)"
             )
-        if self._steps == 0:
+        if self.steps_run == 0:
             self._checkpointing.check_first_step()
         self._check_trained()
         if self.grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
-        self._steps += 1
+        self.steps_run += 1
         if self._finite is not None:
             self._finite.start_step()
         if self._broadcast_buffers and self.partitioned:
@@ -140,7 +138,7 @@ class Engine:
         if self._finite is not None:
             named = self.module.named_parameters() if self._backward_ran else ()
             grads = [(n, params.applied_grad(p)) for n, p in named if not params.is_nonlocal(p)]
-            self._finite.end_step(self._steps, grads if self._backward_ran else None)
+            self._finite.end_step(self.steps_run, grads if self._backward_ran else None)
         if self._backward_ran:
             self._trained.make_final()
             if self._accumulation.backward_done():
@@ -181,7 +179,7 @@ class Engine:
             args, kwargs = inputs.cast_floating((args, kwargs), self.dtype)
         if not self.captures:
             with self._checkpointing.saving_for(mb.index):
-                return self.module(*args, **kwargs)
+                return self._whole(*args, **kwargs)
         kwargs = self._call_defaults | kwargs
         if self.groups.tp_size > 1:
             args, kwargs = tp_inputs.combine(
@@ -254,7 +252,7 @@ class Engine:
 
     def set_activation_checkpointing(self, request: recompute.CheckpointRequest) -> None:
         """Recomputes the request's regions in backward (before the first step only)."""
-        self._checkpointing.add(request, started=self._steps > 0)
+        self._checkpointing.add(request, started=self.steps_run > 0)
 
     # --- for optimizers and checkpoints -------------------------------------------------
 
