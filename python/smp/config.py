@@ -11,6 +11,7 @@ names the key, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import difflib
 import itertools
 import json
@@ -135,8 +136,8 @@ class Config:
         return min(self.pipeline_parallel_degree + 2, self.microbatches)
 
     def schedule(self) -> schedules.Schedule:
-        """The pipeline's schedule under this config."""
-        return schedules.Schedule(
+        """The pipeline's schedule under this config (one object per config: every step asks)."""
+        return _schedule(
             self.pipeline, self.pipeline_parallel_degree, self.microbatches, self.num_active_microbatches
         )
 
@@ -160,6 +161,7 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_schedule = functools.lru_cache(maxsize=16)(schedules.Schedule)
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 # The pipeline schedules are smp.schedules' kinds.

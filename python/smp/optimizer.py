@@ -280,10 +280,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._localize()
         scale = self._scaler.scale
         checks = self._scaler.dynamic or scale != 1.0 or self._engine.config.fp16
+        overflow = False
         if self._flat is not None:
             overflow = self._flat.load_grads(param_facts.applied_grad, scale, checks)
-        else:
-            overflow = False
+        elif scale != 1.0 or checks:  # else nothing to do per parameter
             for p in self._params():
                 if p.grad is not None and scale != 1.0:
                     p.grad.div_(scale)

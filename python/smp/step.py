@@ -38,9 +38,13 @@ class StepOutput:
         return StepOutput([o.detach() if isinstance(o, torch.Tensor) else o for o in self.outputs])
 
     def reduce_mean(self):
+        if len(self.outputs) == 1:  # one microbatch: its value (no stack, sum and divide per step)
+            return self.outputs[0]
         return self.reduce_sum() / len(self.outputs)
 
     def reduce_sum(self):
+        if len(self.outputs) == 1:
+            return self.outputs[0]
         if all(isinstance(o, torch.Tensor) for o in self.outputs):
             return torch.stack(self.outputs).sum(dim=0)
         return sum(self.outputs)
@@ -195,7 +199,7 @@ def _split(value: Any, m: int, axis: int, name: str) -> list[Any]:
                 f"divide into {m} microbatches; use a batch size divisible by {m} (DataLoader(..., "
                 "drop_last=True) drops a smaller last batch) or list it in non_split_inputs"
             )
-        return list(value.chunk(m, dim=axis))
+        return [value] if m == 1 else list(value.chunk(m, dim=axis))
     if type(value).__module__ == "numpy" and hasattr(value, "shape"):
         raise ValueError(
             f"smp.step: argument '{name}' is a numpy {type(value).__name__}, which smp would pass whole to "

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from smp import faults
 from smp import params as param_facts
-from smp.services import microbatch, timeline
+from smp.services import timeline
 
 
 @dataclasses.dataclass
@@ -64,10 +64,11 @@ class GradSync:
         self._cap_bytes = int(bucket_cap_mb * 2**20)
         self._flat_grads: list[tuple[torch.Tensor, list[torch.nn.Parameter], list[int]]] = []
         self._rebucket()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        self._hooks = self._hook_params()
         self._expected = 0
         self._sync = True
-        self._counts: dict[int, int] = {}
+        self._counts: dict[int, int] = {}  # id(param) -> gradients accumulated, for bucketed ones
+        self._arrived = False  # whether any gradient arrived this step (its backward ran)
         self._pending: list[int] = []
         self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
         recorder = timeline.recorder()
@@ -80,7 +81,7 @@ class GradSync:
             hook.remove()
         self._all_params = params
         self._params = [p for p in params if p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        self._hooks = self._hook_params()
         self._buckets_stale = True
 
     def use_flat_grads(
@@ -105,11 +106,12 @@ class GradSync:
             for p in self._params:
                 param_facts.set_grad32(p, None)
         self._counts = {}
+        self._arrived = False
         self._pending = [0] * len(self._buckets)
         self._launched = []
 
     def finish_step(self) -> None:
-        if not self._counts or not self._sync:
+        if not self._arrived or not self._sync:
             return  # a forward-only step, or one that only accumulates
         while len(self._launched) < len(self._buckets):
             self._launch(len(self._launched))
@@ -151,16 +153,25 @@ class GradSync:
         else:
             p.grad.copy_(grad)
 
+    def _hook_params(self) -> list:
+        """A hook on each parameter's gradient accumulation, where there is something to do with
+        it: averaging over replicas, fp32 accumulation, summing a shared parameter's copies. With
+        none of them (one replica in fp32) a Python call per parameter per backward is pure cost."""
+        if self._dp_size == 1 and not self._fp32 and not self._shared:
+            return []
+        return [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        _check_not_manual_backward()
+        self._arrived = True
         if self._fp32:
             main = param_facts.grad32(p)
             param_facts.set_grad32(p, p.grad.float() if main is None else main.add_(p.grad))
             p.grad = None
         key = id(p)
+        if not self._sync or key not in self._bucket_of:
+            return  # nothing to launch for it (one replica, or a step that only accumulates)
         self._counts[key] = self._counts.get(key, 0) + 1
-        expected = self._expected * self._stage_reads.get(key, 1)
-        if not self._sync or self._counts[key] != expected or key not in self._bucket_of:
+        if self._counts[key] != self._expected * self._stage_reads.get(key, 1):
             return
         index = self._bucket_of[key]
         self._pending[index] += 1
@@ -217,17 +228,6 @@ class GradSync:
         buckets += [_Bucket(group) for group in _buckets(rest, self._cap_bytes)]
         self._buckets = buckets
         self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
-
-
-def _check_not_manual_backward() -> None:
-    """A gradient inside @smp.step before model.backward: the step function called loss.backward(),
-    which skips smp's backward (the pipeline's gradient messages, loss scaling, averaging)."""
-    mb = microbatch.current()
-    if mb is not None and mb.backward_calls == 0:
-        raise RuntimeError(
-            "smp: loss.backward() was called inside an @smp.step function; call model.backward(loss) "
-            "instead, which runs this rank's part of the backward and sends gradients to the other stages"
-        )
 
 
 def attach_grad(p: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -37,6 +37,18 @@ def broadcast_over(
     return group
 
 
+class BufferSlots:
+    """A module's buffers by their slots, listed once: walking the modules every step costs ~0.6 ms
+    on a small model. A buffer a module assigned anew since is read from its slot."""
+
+    def __init__(self, module: nn.Module):
+        self._slots = [(m, name) for m in module.modules() for name, _ in m.named_buffers(recurse=False)]
+
+    def now(self) -> list[torch.Tensor]:
+        tensors = {id(t): t for t in (getattr(m, name) for m, name in self._slots)}  # tied: once
+        return [t for t in tensors.values() if t is not None]
+
+
 def synchronize(
     module: nn.Module,
     distributed: set[int],

@@ -126,9 +126,9 @@ class Engine:
         self.steps_run += 1
         if self._finite is not None:
             self._finite.start_step()
-        if self._broadcast_buffers and self.partitioned:
+        if self._broadcast_buffers and self.partitioned and len(self.groups.dp_ranks) > 1:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
-            replicas.broadcast_over(list(self.module.buffers()), self.groups.dp, self.groups.dp_ranks)
+            replicas.broadcast_over(self._buffers.now(), self.groups.dp, self.groups.dp_ranks)
 
     def finish_step(self) -> None:
         self.programs.finish_step()
@@ -179,7 +179,7 @@ class Engine:
             args, kwargs = inputs.cast_floating((args, kwargs), self.dtype)
         if not self.captures:
             with self._checkpointing.saving_for(mb.index):
-                return self._whole(*args, **kwargs)
+                return inputs.guarded(self._whole(*args, **kwargs), mb)
         kwargs = self._call_defaults | kwargs
         if self.groups.tp_size > 1:
             args, kwargs = tp_inputs.combine(
@@ -196,7 +196,7 @@ class Engine:
         if self._finite is not None:
             self._finite.activations(mb.index, mb.runtime.produced_by_stage(mb.index))
         mb.pause()
-        return pending.wait()
+        return inputs.guarded(pending.wait(), mb)
 
     def backward(self, mb: Microbatch, tensors: list[torch.Tensor], grad_tensors: list) -> None:
         self._trained.raise_if_changed()
@@ -237,6 +237,7 @@ class Engine:
 
     def _install(self, plan: Plan) -> None:
         self.plan = plan
+        self._buffers = replicas.BufferSlots(self.module)
         self.grad_sync = GradSync(
             list(self.module.parameters()),
             plan.grad_group,

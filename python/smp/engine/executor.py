@@ -33,6 +33,8 @@ def run(
     recorder = timeline.recorder()
     if recorder is not None and not recorder.begin_step():
         recorder = None  # a step the timeline skips costs what an untimed one does
+    # A model that runs whole never pauses a microbatch: each runs to its end at its F, here.
+    inline = engine is None or not engine.captures
     try:
         if engine is not None:
             engine.start_step()
@@ -42,6 +44,8 @@ def run(
             if action.kind == "W":
                 if engine is not None:
                     engine.backward_weights(mb, action.stage)
+            elif inline:
+                mb.run_here()
             else:
                 mb.resume()
             if recorder is not None:

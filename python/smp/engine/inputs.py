@@ -1,6 +1,9 @@
-"""What the engine does to a microbatch's model inputs and output gradients before running them."""
+"""What the engine does to a microbatch's model inputs, its outputs, and the gradients it starts
+the backward from."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils import _pytree as pytree
@@ -40,3 +43,21 @@ def output_gradients(tensors: list[torch.Tensor], grad_tensors: list, scale: flo
             g = torch.ones_like(t)
         grads.append(g * scale if scale != 1.0 else g)
     return grads
+
+
+def guarded(outputs, mb):
+    """The model's outputs, a backward into which that did not come through model.backward is an
+    error: the step function called loss.backward(), which skips smp's backward (the pipeline's
+    gradient messages, loss scaling, averaging). One hook per output tensor, not per parameter."""
+    for t in pytree.tree_leaves(outputs):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(functools.partial(_refuse_manual_backward, mb))
+    return outputs
+
+
+def _refuse_manual_backward(mb, grad: torch.Tensor) -> None:
+    if mb.backward_calls == 0:
+        raise RuntimeError(
+            "smp: loss.backward() was called inside an @smp.step function; call model.backward(loss) "
+            "instead, which runs this rank's part of the backward and sends gradients to the other stages"
+        )
