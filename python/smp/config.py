@@ -11,8 +11,8 @@ names the key, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import difflib
+import functools
 import itertools
 import json
 import os

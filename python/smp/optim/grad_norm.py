@@ -24,11 +24,21 @@ def unsharded_squares(
     """Squares of whole gradients, which every reduced-data-parallel replica holds: the first
     replica (rdp rank 0) counts them."""
     total = torch.zeros((), dtype=torch.float64)
-    if first_replica:
-        for p in params:
-            if p.grad is not None and counts(p):
-                total += p.grad.detach().double().pow(2).sum().cpu()
+    if not first_replica:
+        return total
+    grads = [p.grad.detach() for p in params if p.grad is not None and counts(p)]
+    for group in _by_device(grads):
+        # One foreach kernel and one copy to the host per device, not one per parameter (on CUDA
+        # each .cpu() is a sync); each tensor's norm accumulated in fp32, squared in fp64.
+        total += torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).double().pow(2).sum().cpu()
     return total
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
 
 
 def clip(local_squares: torch.Tensor, max_norm: float, scale: Callable[[float], None]) -> torch.Tensor:
@@ -52,7 +62,7 @@ def clip_whole(
     params = [p for p in params if p.grad is not None]
 
     def scale(coef: float) -> None:
-        for p in params:
-            p.grad.mul_(coef)
+        for group in _by_device([p.grad for p in params]):
+            torch._foreach_mul_(group, coef)
 
     return clip(unsharded_squares(params, counts, first_replica), max_norm, scale)
