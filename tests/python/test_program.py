@@ -274,6 +274,8 @@ class _MergedRanks:
 class _Engine:
     """What the executor asks of the engine, for one runtime; notes each gradient at its first W."""
 
+    captures = True  # a pipeline: its microbatches pause between stages, on threads of their own
+
     def __init__(self, runtime: RankRuntime, model: torch.nn.Module):
         self.runtime, self.model = runtime, model
         self.before_first_w: dict[str, torch.Tensor | None] | None = None

@@ -68,7 +68,6 @@ class GradSync:
         self._expected = 0
         self._sync = True
         self._counts: dict[int, int] = {}  # id(param) -> gradients accumulated, for bucketed ones
-        self._arrived = False  # whether any gradient arrived this step (its backward ran)
         self._pending: list[int] = []
         self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
         recorder = timeline.recorder()
@@ -106,12 +105,13 @@ class GradSync:
             for p in self._params:
                 param_facts.set_grad32(p, None)
         self._counts = {}
-        self._arrived = False
         self._pending = [0] * len(self._buckets)
         self._launched = []
 
-    def finish_step(self) -> None:
-        if not self._arrived or not self._sync:
+    def finish_step(self, backward_ran: bool) -> None:
+        """The step's end: waits for the buckets and sums shared parameters' gradients, if a
+        backward ran (every rank runs model.backward in a training step) and the step syncs."""
+        if not backward_ran or not self._sync:
             return  # a forward-only step, or one that only accumulates
         while len(self._launched) < len(self._buckets):
             self._launch(len(self._launched))
@@ -154,15 +154,15 @@ class GradSync:
             p.grad.copy_(grad)
 
     def _hook_params(self) -> list:
-        """A hook on each parameter's gradient accumulation, where there is something to do with
-        it: averaging over replicas, fp32 accumulation, summing a shared parameter's copies. With
-        none of them (one replica in fp32) a Python call per parameter per backward is pure cost."""
-        if self._dp_size == 1 and not self._fp32 and not self._shared:
+        """A hook on each parameter's gradient accumulation, where there is something to do as each
+        arrives: averaging over replicas (buckets), fp32 accumulation. With neither (one replica in
+        fp32) a Python call per parameter per microbatch is pure cost; a shared parameter's copies
+        are summed at the step's end either way, from what their grads hold then."""
+        if self._dp_size == 1 and not self._fp32:
             return []
         return [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        self._arrived = True
         if self._fp32:
             main = param_facts.grad32(p)
             param_facts.set_grad32(p, p.grad.float() if main is None else main.add_(p.grad))

@@ -9,6 +9,7 @@ from that plan (smp.engine.build) when it first arrives, and kept in a least-rec
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Hashable, Sequence
 
 from torch import nn
@@ -17,10 +18,12 @@ from smp import recompute
 from smp.config import Config
 from smp.engine import signatures
 from smp.engine.build import Program, build
-from smp.engine.plan import Flags, Plan, make_plan, training_flags
+from smp.engine.plan import Flags, Plan, make_plan
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.services.activation_meter import SavedActivationMeter
+
+_TRAINING = operator.attrgetter("training")
 
 
 class Programs:
@@ -28,6 +31,9 @@ class Programs:
         self, module: nn.Module, config: Config, groups: ParallelGroups, trace_execution_times: bool
     ):
         self._module, self._config, self._groups = module, config, groups
+        # The modules whose train/eval flags pick a program, listed once: walking the tree at every
+        # forward cost more than anything else smp does per microbatch on the host.
+        self._modules = list(module.modules())
         self._trace_execution_times = trace_execution_times
         self.cache = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
         self._modes: frozenset[Flags] = frozenset()  # the train/eval flags planned
@@ -73,7 +79,7 @@ class Programs:
         for flags, program in programs.items():
             self.cache.put(flags, signature, program, seconds / len(programs))
         self.track_saved_activations(self._tracking)
-        return plan, programs[training_flags(self._module)]
+        return plan, programs[self._flags()]
 
     def get(
         self, args: tuple, kwargs: dict, batch_size: int | None, signature: Hashable, frozen: tuple[str, ...]
@@ -82,7 +88,7 @@ class Programs:
         when the signature is new. `frozen`: parameters whose requires_grad differs from the
         trained set (a forward-only step with them frozen bakes that into its graphs, which are
         kept apart from the training ones)."""
-        flags = training_flags(self._module)
+        flags = self._flags()
         key = (flags, frozen) if frozen else flags
         if flags not in self._modes:
             raise RuntimeError(
@@ -120,6 +126,9 @@ class Programs:
             "peak": meter.peak_bytes,
             "kept_gradients_peak": meter.gradient_peak_bytes,
         }
+
+    def _flags(self) -> Flags:
+        return tuple(map(_TRAINING, self._modules))
 
     @contextlib.contextmanager
     def _building(self):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -55,7 +56,13 @@ class Links:
         return self.group_ranks[self.stage_ranks[stage]]
 
     def group_name(self) -> str:
-        return faults.describe_group("pipeline", self.group_ranks)
+        return _group_name(tuple(self.group_ranks))
+
+
+@functools.lru_cache(maxsize=64)
+def _group_name(group_ranks: tuple[int, ...]) -> str:
+    """How errors name a pipeline group (every wait on a message names it: built once)."""
+    return faults.describe_group("pipeline", group_ranks)
 
 
 class _Incoming:
