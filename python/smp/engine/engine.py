@@ -52,6 +52,9 @@ class Engine:
         backward_passes_per_step: int = 1,
     ):
         self.module, self.config, self.groups = module, config, groups
+        # Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers).
+        self.captures = groups.pp_size > 1 or groups.tp_size > 1
+        self._device = rank_device()  # where its part runs (smp.init chose the GPU)
         self.schedule = config.schedule()
         self.dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
         if self.dtype is not None:
@@ -88,11 +91,6 @@ class Engine:
             self.set_activation_checkpointing(recompute.request(module, layer, True, False, "each"))
 
     # --- what the model is -----------------------------------------------------------
-
-    @property
-    def captures(self) -> bool:
-        """Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers)."""
-        return self.groups.pp_size > 1 or self.groups.tp_size > 1
 
     @property
     def partitioned(self) -> bool:
@@ -174,7 +172,7 @@ class Engine:
     # --- one microbatch ----------------------------------------------------------------
 
     def forward(self, mb: Microbatch, args: tuple, kwargs: dict) -> Any:
-        args, kwargs = inputs.on_device((args, kwargs), rank_device())  # CPU batches on a GPU rank
+        args, kwargs = inputs.on_device((args, kwargs), self._device)  # CPU batches on a GPU rank
         if self.dtype is not None:
             args, kwargs = inputs.cast_floating((args, kwargs), self.dtype)
         if not self.captures:
