@@ -3,7 +3,7 @@
     python benchmarks/host_overhead.py [--shape small|medium|5ms] [--compile] [--profile]
 
 Hugging Face GPT-2 (random weights, built from a GPT2Config), the same initial weights and the
-same batches for both. A step is zero_grad + forward + backward + Adam step: plain PyTorch calls
+same batches for both. A step is zero_grad + forward + backward + AdamW step: plain PyTorch calls
 them directly; smp runs `@smp.step` over a DistributedModel and a DistributedOptimizer at
 pipeline_parallel_degree = tensor_parallel_degree = 1 with 1 microbatch, where it adds nothing
 but host work. Each round times one step of each, in alternating order; the figure is the median
@@ -25,6 +25,7 @@ import time
 
 import smp
 import torch
+from gpu import plain_contestant, smp_contestant  # the same steps as the GPU benchmark's
 from transformers import GPT2Config, GPT2LMHeadModel
 
 SHAPES = {  # layers, dim, heads, seq, batch
@@ -54,37 +55,11 @@ def make_model(shape: str) -> GPT2LMHeadModel:
 
 
 def plain_step(model, compile_: bool):
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    run = torch.compile(model) if compile_ else model
-
-    def step(ids):
-        opt.zero_grad(set_to_none=True)
-        loss = run(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+    return plain_contestant(model, {"compiled": compile_, "device": "cpu"}, autocast=False)
 
 
 def smp_step(model, compile_: bool):
-    smp.init({"microbatches": 1, "compile": compile_})
-    dmodel = smp.DistributedModel(model)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=1e-4))
-
-    @smp.step
-    def train(ids):
-        loss = dmodel(input_ids=ids, labels=ids).loss
-        dmodel.backward(loss)
-        return loss.detach()
-
-    def step(ids):
-        opt.zero_grad(set_to_none=True)
-        loss = train(ids).reduce_mean()
-        opt.step()
-        return loss
-
-    return step
+    return smp_contestant(model, {"microbatches": 1, "compile": compile_})[0]
 
 
 def timed(step, ids) -> tuple[float, float]:

@@ -12,7 +12,9 @@
 #    with several ranks at pp=2, tp=2 and pp=2 x tp=2, sharing the GPU if there is only one;
 # 4. runs the Hugging Face parity cases (tests/python/test_hf_models.py) at tp=2 and pp=2 x tp=2,
 #    on CUDA (the harness puts every rank on its GPU when there is one);
-# 5. prints one table: check | result (pass, FAIL, skip) | seconds.
+# 5. runs the GPU benchmark (benchmarks/gpu.py: smp against plain PyTorch, MFU, checkpointing and
+#    offloading, all_reduce against NCCL; within its --budget of 180 s, figures in its log);
+# 6. prints one table: check | result (pass, FAIL, skip) | seconds.
 #
 # Every check runs under `timeout` (and an overall deadline, SMP_GPU_DEADLINE seconds, default
 # 570: the checks after it are shortened, then skipped), and a failed check does not stop the
@@ -346,6 +348,15 @@ else
   for entry in "${HF_PARITY[@]}"; do
     skip_check "${entry%%|*}" "no CUDA GPU"
   done
+fi
+
+bench=(benchmarks/gpu.py --json "$LOGS/gpu-benchmark.json" --logs "$LOGS/gpu-benchmark")
+if [ "$GPUS" -gt 0 ]; then
+  check "GPU benchmark (benchmarks/gpu.py)" 240 by_rc "$python" "${bench[@]}"
+elif [ -n "${SMP_GPU_ON_CPU:-}" ]; then
+  check "GPU benchmark (benchmarks/gpu.py)" 240 by_rc "$python" "${bench[@]}" --cpu-smoke --quick --part all
+else
+  skip_check "GPU benchmark (benchmarks/gpu.py)" "no CUDA GPU"
 fi
 
 # --- the table -------------------------------------------------------------------------------
