@@ -36,6 +36,7 @@ class Programs:
         self._modules = list(module.modules())
         self._trace_execution_times = trace_execution_times
         self.cache = signatures.SignatureCache(config.signature_warn_after, config.signature_cache_size)
+        self._plan: Plan | None = None  # what every later signature's program follows
         self._modes: frozenset[Flags] = frozenset()  # the train/eval flags planned
         self._meter: SavedActivationMeter | None = None  # made once planned
         self._tracking = False  # whether the stages count saved activations on it
