@@ -1,1 +1,2 @@
-"""Pipeline parallelism: schedules as data, microbatch threads, the stage runtime, placement."""
+"""Pipeline parallelism: placement, the rank and stage runtimes, the message order, the backward split
+(the schedules are smp.schedules, the microbatch threads smp.services)."""
