@@ -30,7 +30,10 @@
 # the CPU, to check the script itself).
 #
 # Settings: PYTHON (default python3), SMP_GPU_STEPS (main job steps, default 20),
-# SMP_GPU_DEADLINE (seconds, 0 for none), SMP_GPU_ON_CPU.
+# SMP_GPU_DEADLINE (seconds, 0 for none), SMP_GPU_ON_CPU, SMP_GPU_SKIP (an extended regular
+# expression: the checks whose names match are reported as skip, not run; for a short lease),
+# SMP_GPU_BENCH_ARGS (more arguments for benchmarks/gpu.py, e.g. "--modes eager"; its --budget is
+# what is left before the deadline, at most 180 s, unless these name one).
 # shellcheck disable=SC2317  # the steps below are called through `timeout bash -c`
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +45,7 @@ python=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)') || {
 }
 STEPS=${SMP_GPU_STEPS:-20}
 DEADLINE=${SMP_GPU_DEADLINE:-570}
+SKIP=${SMP_GPU_SKIP:-}
 if [ -n "${OUT:-}" ]; then
   LOGS=$OUT/gpu-checks
   mkdir -p "$LOGS"
@@ -53,7 +57,7 @@ export ROOT python STEPS LOGS
 # Every CUDA test: pytest node ids (a file alone: all of it). The "CUDA test list" check fails if
 # a test file that asks for CUDA is not named here.
 CUDA_TESTS=(
-  "cuda ops match the CPU|tests/python/test_ops.py::test_cuda_matches_cpu|120"
+  "cuda ops match the CPU; TP value inference with CUDA fakes|tests/python/test_ops.py::test_cuda_matches_cpu tests/python/test_ops.py::test_pass_value_inference_on_a_worker_thread_with_cuda_fakes|120"
   "activation offload (CUDA)|tests/python/test_activation_checkpointing.py::test_offload_parity_and_device_memory|120"
   "NCCL throttle, 2 ranks; backend registration|tests/python/test_throttle.py::test_cuda_nccl_throttle_two_ranks tests/python/test_throttle.py::test_smp_backend_is_registered_for_cpu_and_cuda|180"
   "cuda pipeline pp2 (every schedule)|tests/python/test_cuda_pipeline.py::test_cuda_pipeline_over_nccl_trains_like_one_process[pp2]|240"
@@ -144,6 +148,11 @@ check() {
   log=$LOGS/$slug.log
   tag="$$-$N"
   t0=$(now)
+  if [ -n "$SKIP" ] && printf '%s' "$name" | grep -qE "$SKIP"; then
+    echo "not run: its name matches SMP_GPU_SKIP=$SKIP" >"$log"
+    row "$name" skip "$t0" "not run (SMP_GPU_SKIP)"
+    return
+  fi
   if [ "$DEADLINE" -gt 0 ]; then
     left=$(awk -v a="$START" -v b="$t0" -v d="$DEADLINE" 'BEGIN { printf "%d", d - (b - a) - 5 }')
     if [ "$left" -lt 15 ]; then
@@ -255,18 +264,27 @@ install_smp() {
   fi
 }
 
-# The test files that ask for CUDA must each be in CUDA_TESTS.
+# Every test that asks for CUDA (a test under `skipif(not torch.cuda.is_available())`, or a whole
+# file under such a pytestmark) must be in CUDA_TESTS, by its node id or its file.
 cuda_test_list() {
   cd "$ROOT"
-  local f missing=0
+  local f t missing=0 listed tests
+  listed=$(printf '%s\n' "$@" | tr ' ' '\n')
   while read -r f; do
-    if printf '%s\n' "$@" | grep -qF "$f"; then
-      echo "covered: $f"
-    else
-      echo "NOT in tests/gpu.sh's CUDA_TESTS, though it asks for CUDA: $f"
-      missing=1
-    fi
-  done < <(grep -l 'torch.cuda.is_available()' tests/python/test_*.py)
+    # Under a pytestmark, every test of the file; else the test after each such decorator.
+    mapfile -t tests < <(awk -v all="$(grep -c '^pytestmark.*not torch.cuda.is_available()' "$f")" '
+      /skipif\(not torch.cuda.is_available\(\)/ { want = 1 }
+      (want || all > 0) && /^def test_/ { sub(/^def /, ""); sub(/\(.*/, ""); print; want = 0 }' "$f")
+    for t in "${tests[@]/#/$f::}"; do
+      # listed by its node id, by one of its parametrizations (all of them are asked for), or by file
+      if grep -qxF "$t" <<<"$listed" || grep -qF "${t}[" <<<"$listed" || grep -qxF "$f" <<<"$listed"; then
+        echo "covered: $t"
+      else
+        echo "NOT in tests/gpu.sh's CUDA_TESTS, though it asks for CUDA: $t"
+        missing=1
+      fi
+    done
+  done < <(grep -l 'not torch.cuda.is_available()' tests/python/test_*.py)
   return "$missing"
 }
 
@@ -351,6 +369,13 @@ else
 fi
 
 bench=(benchmarks/gpu.py --json "$LOGS/gpu-benchmark.json" --logs "$LOGS/gpu-benchmark")
+read -ra bench_args <<<"${SMP_GPU_BENCH_ARGS:-}"
+bench+=("${bench_args[@]}")
+if [ "$DEADLINE" -gt 0 ] && ! printf ' %s' "${bench_args[@]}" | grep -q -- ' --budget'; then
+  # The benchmark plans its jobs within its budget: give it what is left (check() ends it there).
+  left=$(awk -v a="$START" -v b="$(now)" -v d="$DEADLINE" 'BEGIN { printf "%d", d - (b - a) - 30 }')
+  [ "$left" -lt 180 ] && bench+=(--budget "$((left > 30 ? left : 30))")
+fi
 if [ "$GPUS" -gt 0 ]; then
   check "GPU benchmark (benchmarks/gpu.py)" 240 by_rc "$python" "${bench[@]}"
 elif [ -n "${SMP_GPU_ON_CPU:-}" ]; then
