@@ -5,6 +5,8 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "common.h"
+
 namespace smp::ops {
 namespace {
 
@@ -54,7 +56,16 @@ at::Tensor allGather(const at::Tensor& input, int64_t dim,
   at::Tensor moved = dim == 0 ? input : input.movedim(dim, 0);
   at::Tensor gathered =
       waitTensor(callBoxed(op, {moved.contiguous(), size, group_name}));
-  return dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
+  if (dim == 0) {
+    return gathered;
+  }
+  at::Tensor back = gathered.movedim(0, dim);
+  // Where the dims it moves past are all of size 1, `back` is already in
+  // order: the gathered tensor itself, reshaped (contiguous strides, no copy,
+  // and not a view to autograd: see ownOutput).
+  return back.is_contiguous()
+             ? ownOutput(gathered.view_symint(back.sym_sizes()))
+             : back.contiguous();
 }
 
 }  // namespace smp::ops

@@ -38,6 +38,12 @@ LocalIds localIds(const at::Tensor& ids, int64_t start,
   return {shifted.masked_fill(outside, 0), outside};
 }
 
+at::Tensor ownOutput(const at::Tensor& t) {
+  // _unsafe_view is at::matmul's way out of the same problem: it is not a
+  // view op to autograd.
+  return t.is_view() ? at::_unsafe_view_symint(t, t.sym_sizes()) : t;
+}
+
 at::Tensor weightGrad(const at::Tensor& grad, const at::Tensor& input) {
   at::Tensor g = grad.reshape_symint({-1, grad.sym_size(-1)});
   at::Tensor x = input.reshape_symint({-1, input.sym_size(-1)});

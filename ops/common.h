@@ -33,6 +33,14 @@ LocalIds localIds(const at::Tensor& ids, int64_t start,
 // [..., m] x [..., n] -> [m, n] (the weight gradient of a linear layer).
 at::Tensor weightGrad(const at::Tensor& grad, const at::Tensor& input);
 
+// `t` as an output autograd does not take for a view of another tensor (the
+// same storage, no copy). A custom Function's output that is a view cannot be
+// changed in place afterwards ("a view ... created inside a custom Function"),
+// and the ops after an smp op in a captured graph do that. Whether at::linear,
+// movedim or contiguous return a view depends on the device and the shapes
+// (at::linear does on CUDA for a 3-D input with a bias, not on the CPU).
+at::Tensor ownOutput(const at::Tensor& t);
+
 // Sum of grad over all leading dims: [..., m] -> [m].
 at::Tensor biasGrad(const at::Tensor& grad);
 

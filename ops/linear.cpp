@@ -151,7 +151,7 @@ at::Tensor columnParallelLinear(const at::Tensor& input,
                                 const std::string& /*group_name*/) {
   // No communication in the forward.
   checkLinear("smp::column_parallel_linear", input, weight, bias);
-  return at::linear(input, weight, bias).contiguous();
+  return ownOutput(at::linear(input, weight, bias).contiguous());
 }
 
 at::Tensor rowParallelLinear(const at::Tensor& input, const at::Tensor& weight,
@@ -160,7 +160,7 @@ at::Tensor rowParallelLinear(const at::Tensor& input, const at::Tensor& weight,
   checkLinear("smp::row_parallel_linear", input, weight, bias);
   at::Tensor out = allReduce(at::linear(input, weight), "sum", group_name);
   // The bias is replicated: add it once, after the reduction.
-  return hasBias(bias) ? out.add(*bias) : out;
+  return hasBias(bias) ? out.add(*bias) : ownOutput(out);
 }
 
 }  // namespace smp::ops

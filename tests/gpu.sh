@@ -57,7 +57,7 @@ export ROOT python STEPS LOGS
 # Every CUDA test: pytest node ids (a file alone: all of it). The "CUDA test list" check fails if
 # a test file that asks for CUDA is not named here.
 CUDA_TESTS=(
-  "cuda ops match the CPU; TP value inference with CUDA fakes|tests/python/test_ops.py::test_cuda_matches_cpu tests/python/test_ops.py::test_pass_value_inference_on_a_worker_thread_with_cuda_fakes|120"
+  "cuda ops match the CPU, outputs not views; TP value inference with CUDA fakes|tests/python/test_ops.py::test_cuda_matches_cpu tests/python/test_ops.py::test_cuda_outputs_change_in_place tests/python/test_ops.py::test_pass_value_inference_on_a_worker_thread_with_cuda_fakes|120"
   "activation offload (CUDA)|tests/python/test_activation_checkpointing.py::test_offload_parity_and_device_memory|120"
   "NCCL throttle, 2 ranks; backend registration|tests/python/test_throttle.py::test_cuda_nccl_throttle_two_ranks tests/python/test_throttle.py::test_smp_backend_is_registered_for_cpu_and_cuda|180"
   "cuda pipeline pp2 (every schedule)|tests/python/test_cuda_pipeline.py::test_cuda_pipeline_over_nccl_trains_like_one_process[pp2]|240"

@@ -61,6 +61,8 @@ def _cases(dtype=torch.float32, device="cpu"):
         "cross_entropy": (torch.ops.smp.vocab_parallel_cross_entropy, (r(2, 3, 4, 10), target + 3, 3, -100)),
         "gather_last": (torch.ops.smp.tp_gather, (r(2, 3, 4), -1)),
         "gather_first": (torch.ops.smp.tp_gather, (r(2, 3, 4), 0)),
+        # Moved back along dim 1, the gathered [3, 1] is a contiguous view of shape [1, 3].
+        "gather_size1": (torch.ops.smp.tp_gather, (r(1, 3), 1)),
         "split": (torch.ops.smp.tp_split, (r(2, 6, 4), 1, 1.0)),
         "split_scaled": (torch.ops.smp.tp_split, (r(2, 6, 4), -1, 0.5)),
         "reduce": (torch.ops.smp.tp_reduce, (r(2, 3, 4),)),
@@ -555,7 +557,32 @@ def test_parity_with_dense(world_size):
     assert run_ranks(check_parity, world_size, world_size == 2) == [True] * world_size
 
 
+# --- outputs that later ops may change in place ------------------------------
+
+
+def _outputs_change_in_place(group, device):
+    """Every op's output is its own tensor to autograd, never a view: a captured graph's later ops
+    change it in place (e.g. zero_bubble's weight tap marks it dirty, a model's `x += ...`), which
+    autograd forbids on a view made inside a custom Function. Which outputs would be views depends
+    on the device: at::linear returns one on CUDA (3-D input with a bias), not on the CPU."""
+    for case in CASES:
+        op, args = _args(case, group, device=device)
+        out = op(*args)
+        assert not out._is_view(), f"{case} on {device}: the output is a view"
+        if out.requires_grad:
+            out.mul_(2).sum().backward()  # raises for a view of a custom Function's
+
+
+def test_outputs_change_in_place(group):
+    _outputs_change_in_place(group, "cpu")
+
+
 # --- CUDA ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_outputs_change_in_place(group):
+    _outputs_change_in_place(group, "cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
