@@ -13,7 +13,7 @@ from smp import model as model_lib
 from smp import parallel_state
 from smp import params as param_facts
 from smp.optim import grad_norm
-from smp.optim.flat_state import FlatState
+from smp.optim.flat_state import FlatState, fuse_where_unset
 from smp.optim.loss_scale import LossScaler, any_rank
 from smp.state import layout_free
 
@@ -282,7 +282,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         checks = self._scaler.dynamic or scale != 1.0 or self._engine.config.fp16
         overflow = False
         if self._flat is not None:
-            overflow = self._flat.load_grads(param_facts.applied_grad, scale, checks)
+            overflow = self._flat.load_grads(scale, checks)
         elif scale != 1.0 or checks:  # else nothing to do per parameter
             for p in self._params():
                 if p.grad is not None and scale != 1.0:
@@ -316,9 +316,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["params"] = [p for p in group["params"] if p.requires_grad]
             ranks = list(groups.rdp_ranks) if self.sharded else [groups.rank]
             self._flat = FlatState(self.optimizer, groups.rdp, ranks)
+            if self._flat.groups:
+                fuse_where_unset(self.optimizer, self._flat.groups[0].master.device)
             for flat in self._flat.groups:
-                if flat.grads is not None:
-                    self._engine.use_flat_grads(flat.grads, flat.params, flat.offsets)
+                self._engine.use_flat_grads(flat.grads, flat.params, flat.offsets)
         self._localized = True
 
     def _scaler_state(self) -> dict:

@@ -10,14 +10,15 @@ summed over those stages, so every replica applies the same update. Two stages o
 ("zero_bubble_v") read one tensor: its gradient accumulates once per microbatch per stage there,
 and its bucket waits for all of them.
 
-Mixed precision (fp32_accumulate): each microbatch's low-precision gradient is added
-into an fp32 buffer (smp.params.grad32) as soon as autograd produces it, and the
-buckets average those fp32 buffers; `param.grad` then gets the result in the
-parameter's dtype, for code that reads it.
-
-Flat gradients (use_flat_grads, from smp.optim.flat_state in fp32): parameters whose grads
-are views of one flat buffer are bucketed by ranges of that buffer, which are averaged
-in place: no bucket is allocated, and nothing is copied in or out.
+Gradient buffers (issue 33): where there is something to do per gradient (replicas to average, or
+low-precision parameters to accumulate in fp32), every trained parameter's gradient lives in a
+flat buffer: an optimizer's (smp.optim.flat_state, laid out as its chunks need, handed over with
+`use_flat_grads`), else one of this GradSync's own. A parameter in the buffer's dtype has its
+`.grad` a view of it, into which autograd accumulates in place; a bf16/fp16 parameter's gradient
+is added into its fp32 view as each microbatch produces it and then freed, so no low-precision
+gradient is kept (its fp32 gradient is `smp.params.applied_grad(param)`; `.grad` stays None). The
+buckets are ranges of those buffers, averaged in place: no bucket is allocated, and nothing is
+copied in or out (DDP's `gradient_as_bucket_view`, Megatron's main-gradient buffer).
 """
 
 from __future__ import annotations
@@ -36,10 +37,25 @@ from smp.services import timeline
 @dataclasses.dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
-    # With flat gradients: the range of the flat buffer holding the params' grads (all-reduced in
-    # place), and each param's view of it.
-    flat: torch.Tensor | None = None
-    views: list[torch.Tensor] | None = None
+    flat: torch.Tensor  # the range of a gradient buffer holding the params' gradients (averaged in place)
+
+
+@dataclasses.dataclass
+class _Buffer:
+    """A flat gradient buffer and the parameters laid out in it."""
+
+    grads: torch.Tensor
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+
+    @property
+    def low(self) -> bool:
+        """Whether its parameters are bf16/fp16 accumulated in fp32 (else their grads are views)."""
+        return bool(self.params) and self.params[0].dtype != self.grads.dtype
+
+    def views(self):
+        for p, off in zip(self.params, self.offsets, strict=True):
+            yield p, self.grads[off : off + p.numel()].view_as(p)
 
 
 class GradSync:
@@ -62,14 +78,22 @@ class GradSync:
         self._dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self._shared = shared
         self._cap_bytes = int(bucket_cap_mb * 2**20)
-        self._flat_grads: list[tuple[torch.Tensor, list[torch.nn.Parameter], list[int]]] = []
+        # Gradient buffers only where a hook has work per gradient: with one replica in fp32 a
+        # Python call per parameter per microbatch is pure cost, and plain .grad does.
+        self._buffered = self._dp_size > 1 or self._fp32
+        self._given: list[_Buffer] = []  # optimizers' buffers (use_flat_grads)
+        self._buffers: list[_Buffer] = []  # every buffer in use: the given ones, then own ones
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        self._view: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's view of a buffer
+        self._low_ids: set[int] = set()  # parameters accumulated into fp32 views
         self._rebucket()
         self._hooks = self._hook_params()
         self._expected = 0
         self._sync = True
         self._counts: dict[int, int] = {}  # id(param) -> gradients accumulated, for bucketed ones
         self._pending: list[int] = []
-        self._launched: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
+        self._launched: list[tuple[_Bucket, dist.Work]] = []
         recorder = timeline.recorder()
         self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
 
@@ -86,12 +110,29 @@ class GradSync:
     def use_flat_grads(
         self, grads: torch.Tensor, params: list[torch.nn.Parameter], offsets: list[int]
     ) -> None:
-        """From the next step on, averages these parameters' gradients in place in `grads`, where
-        each one's grad is the view at its offset (or is copied there first, if it was replaced).
-        If this GradSync does not average every one of them, they stay in the copying buckets."""
-        if all(id(p) in self._bucket_of for p in params):
-            self._flat_grads.append((grads, params, offsets))
-            self._buckets_stale = True
+        """From the next step on, keeps these parameters' gradients in `grads` (a parameter in its
+        dtype has its grad the view at its offset; a bf16/fp16 one accumulates into that view),
+        averaged there in place. Their gradients so far are copied in now. Called between steps, or
+        before a step's first backward."""
+        if not self._buffered:
+            return  # one replica in fp32: the optimizer attaches its views itself
+        buffer = _Buffer(grads, list(params), list(offsets))
+        if buffer.low:
+            with torch.no_grad():
+                for p, view in buffer.views():
+                    old = self._view.get(id(p))
+                    if old is not None and old.data_ptr() != view.data_ptr():
+                        view.copy_(old)
+                    self._view[id(p)] = view
+                    param_facts.set_grad32(p, view)
+        self._given.append(buffer)
+        # Now, not at the next step's start: the own buffers replaced are let go before that step
+        # begins, and when this comes at partitioning (an optimizer's state loaded in a
+        # post-partition hook, before the step's first backward) the step averages the new buffers.
+        # Either way no gradient is in flight: it is between steps, or before a backward.
+        self._rebucket()
+        self._counts = {}
+        self._pending = [0] * len(self._buckets)
 
     def start_step(self, expected_backwards: int, new_window: bool = True, sync: bool = True) -> None:
         """Gradient accumulation over several steps (backward_passes_per_step): a step that does not
@@ -101,9 +142,8 @@ class GradSync:
             self._rebucket()
         self._expected = expected_backwards
         self._sync = sync
-        if self._fp32 and new_window:
-            for p in self._params:
-                param_facts.set_grad32(p, None)
+        if self._buffered:
+            self._attach(new_window)
         self._counts = {}
         self._pending = [0] * len(self._buckets)
         self._launched = []
@@ -117,57 +157,49 @@ class GradSync:
             self._launch(len(self._launched))
         if self._timed is not None:
             self._timed.poll()
-        for i, (bucket, flat, work) in enumerate(self._launched):
+        for i, (bucket, work) in enumerate(self._launched):
             with faults.waiting(self._bucket_op(i), faults.group_of("data-parallel", self._dp_group)):
                 work.wait()
-            flat.div_(self._dp_size)
-            if bucket.flat is not None:
-                continue  # averaged in place
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                self._set_grad(p, flat[offset : offset + n].view_as(p))
-                offset += n
+            bucket.flat.div_(self._dp_size)  # averaged in place
         self._launched = []
         if self._timed is not None:
             self._timed.close()
-        if self._fp32:
-            for p in self._params:
-                main = param_facts.grad32(p)
-                if main is not None and not self._bucket_of:
-                    p.grad = main.to(p.dtype)
         for name, p, group in self._shared:
             grad = self._grad(p)
             with faults.waiting(
                 f"summing the gradient of {name!r}", faults.group_of("shared-parameter", group)
             ):
                 dist.all_reduce(grad, group=group)
-            self._set_grad(p, grad)
+            if id(p) not in self._view:
+                p.grad = grad
 
-    def _set_grad(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        if self._fp32:
-            param_facts.set_grad32(p, grad.clone())
-            p.grad = grad.to(p.dtype)
-        elif p.grad is None:
-            p.grad = grad.clone()
-        else:
-            p.grad.copy_(grad)
+    def _attach(self, new_window: bool) -> None:
+        """Before a step's backward: parameters in their buffer's dtype have their grads the buffer's
+        views again (zero_grad(set_to_none=True) drops them), or autograd would allocate new ones;
+        at a window's start the fp32 accumulators of low-precision parameters are zeroed (their
+        gradients never outlive a window: the optimizer step takes them)."""
+        for buffer in self._buffers:
+            if buffer.low:
+                if new_window:
+                    buffer.grads.zero_()
+            else:
+                for p, view in buffer.views():
+                    attach_grad(p, view)
 
     def _hook_params(self) -> list:
         """A hook on each parameter's gradient accumulation, where there is something to do as each
-        arrives: averaging over replicas (buckets), fp32 accumulation. With neither (one replica in
-        fp32) a Python call per parameter per microbatch is pure cost; a shared parameter's copies
-        are summed at the step's end either way, from what their grads hold then."""
-        if self._dp_size == 1 and not self._fp32:
+        arrives: averaging over replicas (buckets), fp32 accumulation."""
+        if not self._buffered:
             return []
         return [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if self._fp32:
-            main = param_facts.grad32(p)
-            param_facts.set_grad32(p, p.grad.float() if main is None else main.add_(p.grad))
-            p.grad = None
         key = id(p)
+        if key in self._low_ids:
+            grad = p.grad
+            if grad is not None:
+                self._view[key].add_(grad)
+                p.grad = None  # freed: the fp32 view holds it
         if not self._sync or key not in self._bucket_of:
             return  # nothing to launch for it (one replica, or a step that only accumulates)
         self._counts[key] = self._counts.get(key, 0) + 1
@@ -184,17 +216,12 @@ class GradSync:
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
-        if bucket.flat is None:
-            flat = torch.cat([self._grad(p).reshape(-1) for p in bucket.params])
-        else:
-            for p, view in zip(bucket.params, bucket.views, strict=True):
-                attach_grad(p, view)
-            flat = bucket.flat
+        flat = bucket.flat
         timed = self._timed is not None and self._timed.recording  # off: one test
         launched = timeline.now() if timed else 0
         with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
             work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
-        self._launched.append((bucket, flat, work))
+        self._launched.append((bucket, work))
         if timed:
             self._timed.poll()
             nbytes = flat.numel() * flat.element_size()
@@ -204,30 +231,69 @@ class GradSync:
         return f"gradient all-reduce of bucket {index + 1} of {len(self._buckets)}"
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        grad = param_facts.grad32(p) if self._fp32 else p.grad
-        if grad is None:
-            return torch.zeros_like(p, dtype=torch.float32 if self._fp32 else p.dtype)
-        return grad
+        view = self._view.get(id(p))
+        if view is not None:
+            return view
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def _rebucket(self) -> None:
-        """Buckets in launch order: the flat gradients' ranges, last parameters first (the backward
-        produces their gradients first), then the other parameters' buckets."""
+        """The gradient buffers (the optimizers', then own ones for the other trained parameters)
+        and the buckets in launch order: each buffer's ranges, last parameters first (the backward
+        produces their gradients first)."""
         self._buckets_stale = False
-        if self._dp_size == 1:
-            self._buckets, self._bucket_of = [], {}
+        if not self._buffered:
             return
-        buckets = []
-        for grads, params, offsets in reversed(self._flat_grads):
-            offset_of = {id(p): off for p, off in zip(params, offsets, strict=True)}
-            for group in _buckets(params[::-1], self._cap_bytes):
-                lo, hi = offset_of[id(group[-1])], offset_of[id(group[0])] + group[0].numel()
-                views = [grads[offset_of[id(p)] : offset_of[id(p)] + p.numel()].view_as(p) for p in group]
-                buckets.append(_Bucket(group, grads[lo:hi], views))
-        in_flat = {id(p) for b in buckets for p in b.params}
-        rest = [p for p in self._params[::-1] if id(p) not in in_flat]
-        buckets += [_Bucket(group) for group in _buckets(rest, self._cap_bytes)]
+        trained = {id(p) for p in self._params}
+        given = [b for b in self._given if all(id(p) in trained for p in b.params)]
+        covered = {id(p) for b in given for p in b.params}
+        rest = [p for p in self._params if id(p) not in covered]
+        old = self._view
+        self._buffers = given + _own_buffers(rest, self._fp32, old)
+        self._view = {id(p): view for b in self._buffers for p, view in b.views()}
+        self._low_ids = {id(p) for b in self._buffers if b.low for p in b.params}
+        for buffer in self._buffers:
+            if buffer.low:
+                for p, view in buffer.views():
+                    param_facts.set_grad32(p, view)
+                    p.grad = None
+        buckets: list[_Bucket] = []
+        if self._dp_size > 1:
+            for buffer in reversed(self._buffers):
+                offset_of = {id(p): off for p, off in zip(buffer.params, buffer.offsets, strict=True)}
+                order = sorted(buffer.params, key=lambda p: offset_of[id(p)], reverse=True)
+                for group in _buckets(order, self._cap_bytes):
+                    lo, hi = offset_of[id(group[-1])], offset_of[id(group[0])] + group[0].numel()
+                    buckets.append(_Bucket(group, buffer.grads[lo:hi]))
         self._buckets = buckets
         self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
+
+
+def _own_buffers(
+    params: list[torch.nn.Parameter], fp32: bool, old: Mapping[int, torch.Tensor]
+) -> list[_Buffer]:
+    """One buffer per (gradient dtype, device) for `params`, in their order, holding the gradients
+    they have so far (a view of an earlier buffer, or .grad). The gradient dtype is the parameter's,
+    except fp32 for bf16/fp16 ones when accumulating in fp32."""
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in params:
+        low = fp32 and p.dtype in (torch.bfloat16, torch.float16)
+        groups.setdefault((torch.float32 if low else p.dtype, p.device, low), []).append(p)
+    buffers = []
+    for (dtype, device, _), group in groups.items():
+        offsets, total = [], 0
+        for p in group:
+            offsets.append(total)
+            total += p.numel()
+        buffer = _Buffer(torch.zeros(total, dtype=dtype, device=device), group, offsets)
+        with torch.no_grad():
+            for p, view in buffer.views():
+                before = old.get(id(p))
+                if before is None and p.grad is not None:
+                    before = p.grad
+                if before is not None:
+                    view.copy_(before)
+        buffers.append(buffer)
+    return buffers
 
 
 def attach_grad(p: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -67,7 +67,7 @@ def export(
         return items, values
     for fg in flat.groups:
         chunk_state = dict(optimizer.state.get(fg.master, {}))
-        if fg.grads is None:  # the master weights are a copy: the precise values
+        if fg.master_is_copy:  # the precise values
             chunk_state[MASTER] = fg.master.detach()
         for k, v in chunk_state.items():
             if _per_element(v, fg.master.shape):
@@ -139,7 +139,7 @@ def destinations(
         for p, p_start, c_start, n in fg.overlaps():
             name, placement = places.names[id(p)], places.placements[id(p)]
             for k, (shape, dtype) in stored_keys(p).items():
-                if not per_element(p, shape) or (k == MASTER and fg.grads is not None):
+                if not per_element(p, shape) or (k == MASTER and not fg.master_is_copy):
                     continue
                 if k not in chunk:
                     chunk[k] = torch.zeros(fg.chunk, dtype=dtype, device=fg.master.device)
