@@ -123,6 +123,12 @@ class Config:
     # NCCL needs; smp.pipeline.message_order). None: on for CUDA tensors (sent GPU to GPU), off
     # for CPU tensors (tagged Gloo messages); true selects it on CPU too.
     ordered_messages: bool | None = None
+    # With shard_optimizer_state: reduce each gradient bucket as soon as it is complete and keep
+    # only this rank's chunk of it (ZeRO-2), so the full fp32 gradients never exist at once. It
+    # saves memory where buckets complete early in the backward: one microbatch, no accumulation
+    # over steps (smp.data_parallel.grad_sync). None: on where it saves memory, true: on wherever
+    # it can be (no parameter shared across pipeline stages), false: off.
+    shard_gradients: bool | None = None
 
     @property
     def placement_order(self) -> str:
@@ -276,6 +282,10 @@ def _check_value(name: str, value: Any) -> Any:
     if name == "ordered_messages":
         if value is not None and not isinstance(value, bool):
             raise type_error(name, value, "true, false or null (null: on for CUDA, off for CPU)")
+        return value
+    if name == "shard_gradients":
+        if value is not None and not isinstance(value, bool):
+            raise type_error(name, value, "true, false or null (null: where it saves memory)")
         return value
     if name == "timeout":
         return check_timeout(value, "'timeout'")

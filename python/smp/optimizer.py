@@ -89,6 +89,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._overflow = False  # the coming step must be skipped
         self._skipped = False  # the last step was skipped
         self._engine.attach_optimizer(self)
+        if not self._engine.partitioned:  # partitioned by its first step: see step_starting
+            self._engine.register_post_partition_hook(lambda optimizer: self.step_starting())
 
     @property
     def loss_scale(self) -> float:
@@ -274,6 +276,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- called by the engine (smp.engine.protocol.GradientConsumer) ----------------------
 
+    def step_starting(self) -> None:
+        """Before a step's backward: the flat state is built then (once), so that its gradient
+        buffers take the first step's gradients, and no buffer of the gradient averaging's own is
+        held beside them (4 more bytes per parameter in the first steps)."""
+        self._localize()
+
     def gradients_ready(self) -> None:
         """After a step's backward and gradient averaging: unscale, check for overflow on every
         rank, and give the master chunks their gradients."""
@@ -315,11 +323,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for group in self.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p.requires_grad]
             ranks = list(groups.rdp_ranks) if self.sharded else [groups.rank]
-            self._flat = FlatState(self.optimizer, groups.rdp, ranks)
+            shard_grads = self.sharded and self._engine.shards_gradients()
+            self._flat = FlatState(self.optimizer, groups.rdp, ranks, shard_grads)
             if self._flat.groups:
                 fuse_where_unset(self.optimizer, self._flat.groups[0].master.device)
             for flat in self._flat.groups:
-                self._engine.use_flat_grads(flat.grads, flat.params, flat.offsets)
+                if shard_grads:
+                    self._engine.use_sharded_grads(flat.params, flat.offsets, flat.lo, flat.master.grad)
+                else:
+                    self._engine.use_flat_grads(flat.grads, flat.params, flat.offsets)
         self._localized = True
 
     def _scaler_state(self) -> dict:

@@ -49,6 +49,36 @@ def test_sharded_state_parity_and_bytes(layout):
             assert sharded["state_bytes"] >= whole["state_bytes"] / rdp, kind
 
 
+def _gradients_sharded_or_not(rank, world_size, base, options):
+    """The same training with each rank keeping only its chunk of the gradients (ZeRO-2, small
+    buckets: many in flight) and with the whole gradients (ZeRO-1)."""
+    configs = [base | {"shard_optimizer_state": True, "shard_gradients": flag} for flag in (True, False)]
+    opts = {"clip": 0.5, "model_kwargs": {"bucket_cap_mb": 0.02}} | options
+    return pipeline_cases.train_smp(rank, world_size, "gpt", configs, 3, 16, opts)
+
+
+@pytest.mark.parametrize(
+    "world_size, base, options",
+    [
+        (2, {}, {}),
+        (2, {"bf16": True}, {}),
+        (4, {"pipeline_parallel_degree": 2, "microbatches": 2}, {}),
+        (4, {"tensor_parallel_degree": 2, "prescaled_batch": True}, {}),
+    ],
+    ids=["rdp2", "rdp2_bf16", "pp2_rdp2", "tp2_rdp2"],
+)
+def test_sharded_gradients_train_like_whole_ones(world_size, base, options):
+    """ZeRO-2 against one process (fp32: loss, parameters and the clipped norm) and against ZeRO-1
+    on the same layout (bf16 too: the same fp32 sums, so the same result)."""
+    for sharded, whole in run_ranks(_gradients_sharded_or_not, world_size, base, options, timeout=600):
+        assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-6, abs=1e-7), (sharded, whole)
+        assert sharded["norm0"] == pytest.approx(whole["norm0"], rel=1e-6), (sharded, whole)
+        if not base.get("bf16"):
+            for r in (sharded, whole):
+                assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
+                assert abs(r["norm0"] - r["ref_norm0"]) <= 1e-5 * r["ref_norm0"], r
+
+
 def test_param_groups_scheduler_clipping_and_full_state():
     # AdamW with two param groups, a StepLR scheduler and clipping, sharded over 2 ranks: the full
     # state_dict gathered from the shards equals the reference optimizer's state per parameter.

@@ -19,6 +19,14 @@ is added into its fp32 view as each microbatch produces it and then freed, so no
 gradient is kept (its fp32 gradient is `smp.params.applied_grad(param)`; `.grad` stays None). The
 buckets are ranges of those buffers, averaged in place: no bucket is allocated, and nothing is
 copied in or out (DDP's `gradient_as_bucket_view`, Megatron's main-gradient buffer).
+
+Sharded gradients (ZeRO-2, `use_sharded_grads`): with the optimizer state sharded, a bucket's
+fp32 storage is allocated at its first gradient, averaged as soon as it is complete, and freed
+once this rank's chunk of it is copied into the optimizer's chunk gradient; at most
+`_IN_FLIGHT` buckets are being averaged at once. With one microbatch, buckets complete one after
+another during the backward, so the whole fp32 gradient never exists at once: a rank holds its
+chunk (4/R bytes per parameter) and a few buckets. Every gradient is added in and freed, in fp32
+too (`.grad` stays None).
 """
 
 from __future__ import annotations
@@ -33,11 +41,55 @@ from smp import faults
 from smp import params as param_facts
 from smp.services import timeline
 
+_IN_FLIGHT = 2  # sharded gradients: buckets being averaged at once (each holds its storage)
+
 
 @dataclasses.dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
-    flat: torch.Tensor  # the range of a gradient buffer holding the params' gradients (averaged in place)
+    flat: torch.Tensor | None  # the range of a gradient buffer with their gradients (averaged in place)
+    # Sharded gradients: the range [lo, hi) of its group's layout, the storage (allocated at the
+    # first gradient, freed once averaged), and the group.
+    lo: int = 0
+    hi: int = 0
+    storage: torch.Tensor | None = None
+    shard: _Shard | None = None
+
+    def sharded_view(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """p's part of the storage (allocated now if it is not yet)."""
+        if self.storage is None:
+            self.storage = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=p.device)
+        start = self.shard.offset_of[id(p)] - self.lo
+        return self.storage[start : start + p.numel()].view_as(p)
+
+
+@dataclasses.dataclass
+class _Shard:
+    """An optimizer's param group whose gradients are kept as this rank's chunk only: the
+    parameters laid out end to end (`offsets`), and the chunk [lo, lo + len(grad)) of that layout
+    whose averaged gradient goes to `grad`."""
+
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    lo: int
+    grad: torch.Tensor
+    whole: list[torch.nn.Parameter]  # of `params`, those whose gradient is kept whole (shared ones)
+
+    def __post_init__(self):
+        self.offset_of = {id(p): off for p, off in zip(self.params, self.offsets, strict=True)}
+
+    def take_whole(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Copies the chunk's part of a whole-kept parameter's final gradient into `grad`."""
+        off = self.offset_of[id(p)]
+        start, end = max(off, self.lo), min(off + p.numel(), self.lo + self.grad.numel())
+        if start < end:
+            self.grad[start - self.lo : end - self.lo].copy_(grad.reshape(-1)[start - off : end - off])
+
+    def take(self, bucket: _Bucket, storage: torch.Tensor) -> None:
+        """Copies the chunk's part of an averaged bucket into `grad`."""
+        start, end = max(bucket.lo, self.lo), min(bucket.hi, self.lo + self.grad.numel())
+        if start < end:
+            self.grad[start - self.lo : end - self.lo].copy_(storage[start - bucket.lo : end - bucket.lo])
 
 
 @dataclasses.dataclass
@@ -82,6 +134,9 @@ class GradSync:
         # Python call per parameter per microbatch is pure cost, and plain .grad does.
         self._buffered = self._dp_size > 1 or self._fp32
         self._given: list[_Buffer] = []  # optimizers' buffers (use_flat_grads)
+        self._shards: list[_Shard] = []  # optimizers' sharded groups (use_sharded_grads)
+        self._sharded_ids: set[int] = set()
+        self._retired = 0  # sharded buckets averaged and freed this step
         self._buffers: list[_Buffer] = []  # every buffer in use: the given ones, then own ones
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
@@ -93,7 +148,7 @@ class GradSync:
         self._sync = True
         self._counts: dict[int, int] = {}  # id(param) -> gradients accumulated, for bucketed ones
         self._pending: list[int] = []
-        self._launched: list[tuple[_Bucket, dist.Work]] = []
+        self._launched: list[tuple[_Bucket, dist.Work | None]] = []
         recorder = timeline.recorder()
         self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
 
@@ -131,6 +186,42 @@ class GradSync:
         # post-partition hook, before the step's first backward) the step averages the new buffers.
         # Either way no gradient is in flight: it is between steps, or before a backward.
         self._rebucket()
+        self._attach(new_window=False)  # grads of the step under way point at the new buffers
+        self._counts = {}
+        self._pending = [0] * len(self._buckets)
+
+    def can_shard(self, expected_backwards: int, windowed: bool) -> bool:
+        """Whether `use_sharded_grads` would save memory: replicas to average, one microbatch,
+        no accumulation over steps, no parameter shared with other stages."""
+        return self.can_shard_at_all() and expected_backwards == 1 and not windowed
+
+    def can_shard_at_all(self) -> bool:
+        """Whether gradients can be kept sharded: there are replicas to average."""
+        return self._dp_size > 1
+
+    def use_sharded_grads(
+        self, params: list[torch.nn.Parameter], offsets: list[int], lo: int, grad: torch.Tensor
+    ) -> None:
+        """From now on keeps these parameters' gradients as this rank's chunk [lo, lo +
+        grad.numel()) of their layout only, averaged into `grad` bucket by bucket (see the module
+        docstring). Called between steps, or before a step's first backward."""
+        if not self.can_shard_at_all():
+            raise ValueError(
+                "smp: sharded gradients (shard_gradients) need replicas to average (a reduced-data-"
+                'parallel degree above 1); set "shard_gradients": false or leave it null'
+            )
+        # A parameter shared with other stages is summed with its copies whole at the step's end:
+        # it keeps a whole gradient, and gives the chunk its part after that sum.
+        shared = {id(p) for _, p, _ in self._shared}
+        shard = _Shard(list(params), list(offsets), lo, grad, [p for p in params if id(p) in shared])
+        self._shards.append(shard)
+        self._sharded_ids |= {id(p) for p in params if id(p) not in shared}
+        for p in params:
+            if id(p) not in shared:
+                param_facts.set_grad32(p, None)
+                p.grad = None
+        self._rebucket()
+        self._attach(new_window=False)  # grads of the step under way point at the new buffers
         self._counts = {}
         self._pending = [0] * len(self._buckets)
 
@@ -147,6 +238,7 @@ class GradSync:
         self._counts = {}
         self._pending = [0] * len(self._buckets)
         self._launched = []
+        self._retired = 0
 
     def finish_step(self, backward_ran: bool) -> None:
         """The step's end: waits for the buckets and sums shared parameters' gradients, if a
@@ -157,10 +249,8 @@ class GradSync:
             self._launch(len(self._launched))
         if self._timed is not None:
             self._timed.poll()
-        for i, (bucket, work) in enumerate(self._launched):
-            with faults.waiting(self._bucket_op(i), faults.group_of("data-parallel", self._dp_group)):
-                work.wait()
-            bucket.flat.div_(self._dp_size)  # averaged in place
+        for i in range(self._retired, len(self._launched)):
+            self._retire(i)
         self._launched = []
         if self._timed is not None:
             self._timed.close()
@@ -172,12 +262,19 @@ class GradSync:
                 dist.all_reduce(grad, group=group)
             if id(p) not in self._view:
                 p.grad = grad
+        for shard in self._shards:  # after the sums: a bucket's copy of these spots held zeros
+            for p in shard.whole:
+                shard.take_whole(p, self._grad(p))
 
     def _attach(self, new_window: bool) -> None:
         """Before a step's backward: parameters in their buffer's dtype have their grads the buffer's
         views again (zero_grad(set_to_none=True) drops them), or autograd would allocate new ones;
         at a window's start the fp32 accumulators of low-precision parameters are zeroed (their
         gradients never outlive a window: the optimizer step takes them)."""
+        if new_window:  # sharded gradients are per window: so are their whole-kept ones
+            for shard in self._shards:
+                for p in shard.whole:
+                    self._view[id(p)].zero_()
         for buffer in self._buffers:
             if buffer.low:
                 if new_window:
@@ -195,7 +292,12 @@ class GradSync:
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         key = id(p)
-        if key in self._low_ids:
+        if key in self._sharded_ids:
+            grad = p.grad
+            if grad is not None:
+                self._buckets[self._bucket_of[key]].sharded_view(p).add_(grad)
+                p.grad = None
+        elif key in self._low_ids:
             grad = p.grad
             if grad is not None:
                 self._view[key].add_(grad)
@@ -216,7 +318,15 @@ class GradSync:
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
-        flat = bucket.flat
+        if bucket.shard is not None:
+            # Bounds the buckets held: the oldest being averaged is waited for and freed first.
+            while len(self._launched) - self._retired >= _IN_FLIGHT:
+                self._retire(self._retired)
+            if bucket.storage is None:  # none of its parameters got a gradient
+                bucket.sharded_view(bucket.params[0])
+            flat = bucket.storage
+        else:
+            flat = bucket.flat
         timed = self._timed is not None and self._timed.recording  # off: one test
         launched = timeline.now() if timed else 0
         with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
@@ -226,6 +336,20 @@ class GradSync:
             self._timed.poll()
             nbytes = flat.numel() * flat.element_size()
             self._timed.add(work, "bucket", launched, bucket=index, params=len(bucket.params), bytes=nbytes)
+
+    def _retire(self, index: int) -> None:
+        """Waits for bucket `index`'s average; a sharded bucket gives its chunk and is freed."""
+        bucket, work = self._launched[index]
+        with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
+            work.wait()
+        if bucket.shard is None:
+            bucket.flat.div_(self._dp_size)  # averaged in place
+        else:
+            storage, bucket.storage = bucket.storage, None
+            storage.div_(self._dp_size)
+            bucket.shard.take(bucket, storage)
+            self._launched[index] = (bucket, None)  # the work held the storage too
+        self._retired = index + 1
 
     def _bucket_op(self, index: int) -> str:
         return f"gradient all-reduce of bucket {index + 1} of {len(self._buckets)}"
@@ -245,7 +369,7 @@ class GradSync:
             return
         trained = {id(p) for p in self._params}
         given = [b for b in self._given if all(id(p) in trained for p in b.params)]
-        covered = {id(p) for b in given for p in b.params}
+        covered = {id(p) for b in given for p in b.params} | self._sharded_ids
         rest = [p for p in self._params if id(p) not in covered]
         old = self._view
         self._buffers = given + _own_buffers(rest, self._fp32, old)
@@ -257,6 +381,12 @@ class GradSync:
                     param_facts.set_grad32(p, view)
                     p.grad = None
         buckets: list[_Bucket] = []
+        for shard in reversed(self._shards):
+            kept = [p for p in shard.params if id(p) in self._sharded_ids]
+            order = sorted(kept, key=lambda p: shard.offset_of[id(p)], reverse=True)
+            for group in _buckets(order, self._cap_bytes):
+                lo, hi = shard.offset_of[id(group[-1])], shard.offset_of[id(group[0])] + group[0].numel()
+                buckets.append(_Bucket(group, None, lo, hi, None, shard))
         if self._dp_size > 1:
             for buffer in reversed(self._buffers):
                 offset_of = {id(p): off for p, off in zip(buffer.params, buffer.offsets, strict=True)}

@@ -11,6 +11,11 @@ class Accumulation:
         self._done = 0  # of the current window
 
     @property
+    def windowed(self) -> bool:
+        """Whether gradients accumulate over several steps (backward_passes_per_step > 1)."""
+        return self._per_step > 1
+
+    @property
     def new_window(self) -> bool:
         """Whether the next backward starts a window (its gradients start from zero)."""
         return self._done == 0

@@ -119,6 +119,8 @@ class Engine:
             self._checkpointing.check_first_step()
         self._check_trained()
         if self.grad_sync is not None:
+            for consumer in self._consumers:
+                consumer.step_starting()
             self._start_grad_sync()
         self._backward_ran = False
         self.steps_run += 1
@@ -262,6 +264,21 @@ class Engine:
     def optimizer(self) -> GradientConsumer | None:
         """The first optimizer attached (SMP v1 has one per model), or None."""
         return self._consumers[0] if self._consumers else None
+
+    def shards_gradients(self) -> bool:
+        """Whether an optimizer with sharded state keeps only its chunk of the gradients (config
+        "shard_gradients"; null: where that saves memory, i.e. one microbatch and no accumulation
+        over steps). Asked once the model is partitioned."""
+        wanted, sync = self.config.shard_gradients, self.grad_sync
+        if sync is None or wanted is False:
+            return False
+        if wanted is None:
+            return sync.can_shard(self.config.microbatches, self._accumulation.windowed)
+        return True  # use_sharded_grads says why not, where it cannot
+
+    def use_sharded_grads(self, params: list[nn.Parameter], offsets: list[int], lo: int, grad: torch.Tensor):
+        """An optimizer's chunk gradient, which the gradient averaging fills bucket by bucket."""
+        self.grad_sync.use_sharded_grads(params, offsets, lo, grad)
 
     def use_flat_grads(self, grads: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
         """An optimizer's flat gradient buffer, which the gradient averaging then works in."""

@@ -42,7 +42,9 @@ class _FlatGroup:
     lo: int  # where this rank's chunk starts
     values: torch.Tensor  # the parameters end to end, in their dtype (padded): each is a view of it
     master: nn.Parameter  # this rank's chunk in fp32: a view of `values` if they are fp32, else a copy
-    grads: torch.Tensor  # the parameters' fp32 gradients end to end (padded), as `values`
+    # The parameters' fp32 gradients end to end (padded), as `values`; None when only this rank's
+    # chunk of them is kept (sharded gradients: `master.grad`, filled by GradSync).
+    grads: torch.Tensor | None
 
     @property
     def master_is_copy(self) -> bool:
@@ -65,10 +67,17 @@ class _FlatGroup:
     def attach_grads(self) -> None:
         """Makes the chunk's gradient a view of `grads` and, in fp32, the parameters' grads too (a
         no-op once they are). bf16/fp16 gradients are added into `grads` by GradSync."""
+        if self.grads is None:
+            return  # sharded gradients: master.grad is the chunk's, kept
         if not self.master_is_copy:
             for p, view in self.views(self.grads):
                 attach_grad(p, view)
         self.master.grad = self.grads[self.lo : self.lo + self.chunk]  # the chunk's, whatever it held
+
+    def applied_grads(self) -> torch.Tensor:
+        """The gradients the step applies: the whole buffer (so that in fp32 the parameters' own
+        read unscaled and clipped), or the chunk's alone where only it is kept."""
+        return self.grads if self.grads is not None else self.master.grad
 
 
 class FlatState:
@@ -77,6 +86,7 @@ class FlatState:
         optimizer: torch.optim.Optimizer,
         group: dist.ProcessGroup | None,
         ranks: list[int],
+        shard_grads: bool = False,
     ):
         if any(optimizer.state.values()):
             raise RuntimeError(
@@ -100,8 +110,10 @@ class FlatState:
             values = _flatten(params, offsets, chunk * self._size)
             master = values[lo : lo + chunk]
             master = nn.Parameter(master if values.dtype == torch.float32 else master.float())
-            grads = torch.zeros_like(values, dtype=torch.float32)
+            grads = None if shard_grads else torch.zeros_like(values, dtype=torch.float32)
             flat = _FlatGroup(params, offsets, total, chunk, lo, values, master, grads)
+            if shard_grads:
+                master.grad = torch.zeros_like(master)  # the chunk's gradient, filled by GradSync
             flat.attach_grads()  # in fp32, takes in the gradients of the step that built the state
             param_group["params"] = [flat.master]
             self.groups.append(flat)
@@ -116,7 +128,7 @@ class FlatState:
         for flat in self.groups:
             flat.attach_grads()  # a no-op unless a grad was replaced (set to None, say)
             if scale != 1.0:
-                flat.grads.div_(scale)
+                flat.applied_grads().div_(scale)
             if check:
                 overflow = overflow or not bool(torch.isfinite(flat.master.grad.sum()))
         return overflow
@@ -124,7 +136,9 @@ class FlatState:
     def zero_grad(self) -> None:
         """Zeroes the kept flat gradients in fp32 (torch's semantics: they accumulate until zeroed)."""
         for flat in self.groups:
-            if not flat.master_is_copy:
+            if flat.grads is None:
+                flat.master.grad.zero_()  # sharded gradients: every window's are its own anyway
+            elif not flat.master_is_copy:
                 flat.grads.zero_()
             # bf16/fp16: their fp32 accumulators start every accumulation window at zero (GradSync)
 
@@ -142,7 +156,7 @@ class FlatState:
     def scale_grads(self, factor: float) -> None:
         for flat in self.groups:
             if flat.master.grad is not None:
-                flat.grads.mul_(factor)
+                flat.applied_grads().mul_(factor)
 
     # --- parameters -------------------------------------------------------------------
 

@@ -2,10 +2,10 @@
 
 What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, schedules/):
 - parameters in the training precision (2 bytes under bf16/fp16, else 4);
-- gradients: fp32 accumulation always. fp32 training: one fp32 gradient per parameter (a flat
-  buffer kept across steps when the optimizer state is flat, i.e. sharded). bf16/fp16: the fp32
-  accumulation buffer, the averaged gradient copied back into the parameter's dtype, and the
-  fp32 gradient of this rank's master chunk;
+- gradients: one fp32 gradient per parameter, in flat buffers kept across steps that the
+  data-parallel average runs on in place (its buckets are ranges of them: no copies). bf16/fp16
+  gradients are added into their fp32 buffer as they are produced and freed; the master chunk's
+  gradient is a view of the buffer;
 - optimizer: Adam/AdamW's two fp32 moments for this rank's chunk (1/rdp of the parameters when
   the state is sharded), and under bf16/fp16 the fp32 master chunk;
 - activations: what autograd saves, per microbatch, times the microbatches alive on the stage:
@@ -15,9 +15,8 @@ What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, sche
   instead, plus, while one region is recomputed in backward, that region's activations for one microbatch;
 - working memory: the logits the last stage holds per microbatch alive and their gradient, and
   the gradient of one layer's largest activation;
-- communication: pipeline send/receive buffers per microbatch alive, tensor-parallel collective
-  buffers, and the data-parallel buckets (copies of every gradient, held until the step's end)
-  unless the gradients are one flat fp32 buffer averaged in place.
+- communication: pipeline send/receive buffers per microbatch alive and tensor-parallel
+  collective buffers (the data-parallel average runs on the gradient buffers themselves).
 SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
 bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
 The peak is parameters + optimizer state + the larger of the backward (gradients being
@@ -49,7 +48,7 @@ class Runtime:
     bucket_copies: bool  # data-parallel buckets copy the gradients (else averaged in place)
 
 
-SMP = Runtime("smp", fp32_accumulation=True, bucket_copies=True)
+SMP = Runtime("smp", fp32_accumulation=True, bucket_copies=False)
 # SMP v1 accumulated bf16/fp16 gradients in the parameters' dtype (its `_fp32_grad_accumulation`
 # defaulted to off) and reduced them in place; masters and moments were sharded as in smp.
 SMP_V1 = Runtime("smp_v1", fp32_accumulation=False, bucket_copies=False)
@@ -189,19 +188,14 @@ def _gradient_terms(layout: Layout, runtime: Runtime, p: float, chunk: float) ->
     """(the gradients accumulated in backward, every gradient copy at the step, the data-parallel
     buckets' copies) in bytes, for `p` parameters of which this rank steps `chunk`."""
     if layout.half and runtime.fp32_accumulation:
-        accumulation = p * 4
-        at_step = (
-            accumulation + p * 2 + chunk * 4
-        )  # + the copy in the parameters' dtype, + the master chunk's
+        # One fp32 buffer: no copy in the parameters' dtype; the master chunk's gradient is a view.
+        accumulation = at_step = p * 4
     elif layout.half:
         accumulation = p * 2
         at_step = accumulation + chunk * 4
     else:
         accumulation = at_step = p * 4
-    # fp32 flat state (sharded) averages its one gradient buffer in place; otherwise GradSync
-    # copies the gradients into buckets and holds them until the step's end.
-    flat_fp32 = layout.shard_optimizer_state and not layout.half
-    copies = layout.rdp > 1 and runtime.bucket_copies and not flat_fp32
+    copies = layout.rdp > 1 and runtime.bucket_copies
     return accumulation, at_step, accumulation if copies else 0.0
 
 
