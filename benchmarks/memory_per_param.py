@@ -23,6 +23,10 @@ Adam's two fp32 moments and, in bf16, the fp32 master, the last two divided by t
 reduced-data-parallel degree R when the optimizer state is sharded:
   fp32:                 4 + 4 + 8 = 16          fp32, sharded:        4 + 4 + 8 / R
   bf16:                 2 + 4 + 12 = 18         bf16, sharded:        2 + 4 + 12 / R
+With sharded gradients (ZeRO-2, "shard_gradients": true) the fp32 gradient is kept as this rank's
+chunk too: fp32 4 + 12 / R, bf16 2 + 16 / R, plus the buckets being averaged (up to 3 of
+--bucket-cap-mb: at this model's size, 25 MB buckets cost more than the chunk saves, which is why
+smp turns it on by itself only where the saving is over twice that).
 Targets (issue 33, R = 2): fp32 data parallel <= 16.5, bf16 with sharded state <= 12.5.
 """
 
@@ -42,6 +46,16 @@ MODES = {
     "fp32 dp2 sharded": (2, {"shard_optimizer_state": True}, lambda r: 8 + 8 / r),
     "bf16 dp2": (2, {"bf16": True}, lambda r: 18.0),
     "bf16 dp2 sharded": (2, {"bf16": True, "shard_optimizer_state": True}, lambda r: 6 + 12 / r),
+    "fp32 dp2 sharded gradients": (
+        2,
+        {"shard_optimizer_state": True, "shard_gradients": True},
+        lambda r: 4 + 12 / r,
+    ),
+    "bf16 dp2 sharded gradients": (
+        2,
+        {"bf16": True, "shard_optimizer_state": True, "shard_gradients": True},
+        lambda r: 2 + 16 / r,
+    ),
     "fp32 tp2": (2, {"tensor_parallel_degree": 2}, lambda r: 16.0),
     "fp32 pp2": (2, {"pipeline_parallel_degree": 2, "microbatches": 2}, lambda r: 16.0),
     "bf16 pp2 x tp2, dp2 sharded": (

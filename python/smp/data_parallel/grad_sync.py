@@ -191,9 +191,15 @@ class GradSync:
         self._pending = [0] * len(self._buckets)
 
     def can_shard(self, expected_backwards: int, windowed: bool) -> bool:
-        """Whether `use_sharded_grads` would save memory: replicas to average, one microbatch,
-        no accumulation over steps, no parameter shared with other stages."""
-        return self.can_shard_at_all() and expected_backwards == 1 and not windowed
+        """Whether `use_sharded_grads` would save memory: replicas to average, one microbatch and
+        no accumulation over steps (else every bucket lives through the whole backward), and
+        more saved than the buckets in flight cost (twice over: small models keep their whole
+        gradients, and torch's .grad)."""
+        if not self.can_shard_at_all() or expected_backwards != 1 or windowed:
+            return False
+        whole = 4 * sum(p.numel() for p in self._params)  # bytes of fp32 gradients
+        saved = whole * (1 - 1 / self._dp_size)
+        return saved > 2 * (_IN_FLIGHT + 1) * self._cap_bytes
 
     def can_shard_at_all(self) -> bool:
         """Whether gradients can be kept sharded: there are replicas to average."""
