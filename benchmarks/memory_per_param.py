@@ -58,7 +58,7 @@ MODES = {
     ),
     "fp32 tp2": (2, {"tensor_parallel_degree": 2}, lambda r: 16.0),
     "fp32 pp2": (2, {"pipeline_parallel_degree": 2, "microbatches": 2}, lambda r: 16.0),
-    "bf16 pp2 x tp2, dp2 sharded": (
+    "bf16 pp2 x tp2 x dp2 sharded": (
         8,
         {
             "pipeline_parallel_degree": 2,
@@ -98,9 +98,12 @@ def tensor_bytes() -> int:
 
     storages = {}
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and not o.is_meta:
-            st = o.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and not o.is_meta:
+            try:
+                st = o.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            except RuntimeError:  # a fake tensor of a capture has no data
+                pass
     return sum(storages.values())
 
 

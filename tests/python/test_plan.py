@@ -81,6 +81,19 @@ def test_reference_rows_fit_as_the_seed_configured_them(row):
     assert 10 < evaluated["breakdown"]["total_gib"] <= 40
 
 
+@pytest.mark.parametrize("row", sorted(REFERENCE))
+def test_reference_rows_fit_smps_own_buffers(row):
+    """Under smp's own buffers (one fp32 gradient per parameter averaged in place; with one
+    microbatch, only each rank's chunk of it: sharded gradients) every row fits as configured."""
+    layout = {**REFERENCE[row][3], **SEED_CHOICES, "fp16": True}
+    evaluated = smp.plan(**_job(row), layout=layout).to_json()["evaluated"]
+    assert evaluated["fits"], evaluated
+    # Sharded gradients where there is one microbatch: the gradients are this rank's chunk.
+    grads = evaluated["breakdown"]["gradients_gib"]
+    params = evaluated["breakdown"]["parameters_gib"]  # 2 bytes each (fp16)
+    assert grads < params / 2 if REFERENCE[row][3].get("microbatches", 1) == 1 else grads > params
+
+
 def test_the_10b_row_fits_smps_own_buffers_and_is_what_the_walk_recommends():
     job = _job("10B")
     evaluated = smp.plan(**job, layout={**REFERENCE["10B"][3], **SEED_CHOICES, "fp16": True}).evaluated

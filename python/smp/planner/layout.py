@@ -33,6 +33,15 @@ class Layout:
     bf16: bool = False
     offload_activations: bool = False
     activation_loading_horizon: int = 4
+    shard_gradients: bool | None = None  # the config key; see sharded_gradients
+
+    @property
+    def sharded_gradients(self) -> bool:
+        """Whether smp keeps only each rank's chunk of the gradients (ZeRO-2): with sharded state
+        and replicas, where the config asks, or by itself at one microbatch (where it saves)."""
+        if not self.shard_optimizer_state or self.rdp == 1 or self.shard_gradients is False:
+            return False
+        return self.shard_gradients is True or self.microbatches == 1
 
     @property
     def active(self) -> int:
@@ -69,6 +78,8 @@ class Layout:
             "fp16": self.fp16,
             "bf16": self.bf16,
         }
+        if self.shard_gradients is not None:
+            config["shard_gradients"] = self.shard_gradients
         if self.offload_activations:
             config["offload_activations"] = True
             config["activation_loading_horizon"] = self.activation_loading_horizon
@@ -78,7 +89,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"tp={self.tp}", f"rdp={self.rdp}"]
         if self.shard_optimizer_state:
-            parts.append("sharded optimizer")
+            parts.append("sharded optimizer" + (" and gradients" if self.sharded_gradients else ""))
         if self.checkpointing != "none":
             parts.append(f"checkpoint {self.checkpointing}")
         if self.prescaled_batch:
@@ -130,6 +141,7 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
         bf16=parsed.bf16,
         offload_activations=parsed.offload_activations,
         activation_loading_horizon=parsed.activation_loading_horizon,
+        shard_gradients=parsed.shard_gradients,
     )
 
 

@@ -5,7 +5,9 @@ What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, sche
 - gradients: one fp32 gradient per parameter, in flat buffers kept across steps that the
   data-parallel average runs on in place (its buckets are ranges of them: no copies). bf16/fp16
   gradients are added into their fp32 buffer as they are produced and freed; the master chunk's
-  gradient is a view of the buffer;
+  gradient is a view of the buffer. With sharded gradients (ZeRO-2: sharded state and one
+  microbatch, or "shard_gradients": true) only this rank's chunk of them, plus the buckets
+  being averaged;
 - optimizer: Adam/AdamW's two fp32 moments for this rank's chunk (1/rdp of the parameters when
   the state is sharded), and under bf16/fp16 the fp32 master chunk;
 - activations: what autograd saves, per microbatch, times the microbatches alive on the stage:
@@ -46,9 +48,12 @@ class Runtime:
     name: str
     fp32_accumulation: bool  # an fp32 gradient beside a bf16/fp16 parameter's own
     bucket_copies: bool  # data-parallel buckets copy the gradients (else averaged in place)
+    gradient_sharding: bool = False  # keeps each rank's chunk of the gradients only (ZeRO-2)
 
 
-SMP = Runtime("smp", fp32_accumulation=True, bucket_copies=False)
+SMP = Runtime("smp", fp32_accumulation=True, bucket_copies=False, gradient_sharding=True)
+# Sharded gradients hold the buckets being averaged: up to 3 of DistributedModel's default 25 MB.
+SHARDED_GRADIENT_BUCKETS = 3 * 25 * 2**20
 # SMP v1 accumulated bf16/fp16 gradients in the parameters' dtype (its `_fp32_grad_accumulation`
 # defaulted to off) and reduced them in place; masters and moments were sharded as in smp.
 SMP_V1 = Runtime("smp_v1", fp32_accumulation=False, bucket_copies=False)
@@ -187,7 +192,10 @@ def _stage(
 def _gradient_terms(layout: Layout, runtime: Runtime, p: float, chunk: float) -> tuple[float, float, float]:
     """(the gradients accumulated in backward, every gradient copy at the step, the data-parallel
     buckets' copies) in bytes, for `p` parameters of which this rank steps `chunk`."""
-    if layout.half and runtime.fp32_accumulation:
+    if runtime.gradient_sharding and layout.sharded_gradients:
+        # This rank's chunk, and the buckets being averaged (data_parallel/grad_sync.py).
+        accumulation = at_step = chunk * 4 + SHARDED_GRADIENT_BUCKETS
+    elif layout.half and runtime.fp32_accumulation:
         # One fp32 buffer: no copy in the parameters' dtype; the master chunk's gradient is a view.
         accumulation = at_step = p * 4
     elif layout.half:
