@@ -94,19 +94,20 @@ def test_reference_rows_fit_smps_own_buffers(row):
     assert grads < params / 2 if REFERENCE[row][3].get("microbatches", 1) == 1 else grads > params
 
 
-def test_the_10b_row_fits_smps_own_buffers_and_is_what_the_walk_recommends():
+def test_the_walk_stops_at_the_first_step_that_fits():
+    """The seed's order: sharded state and checkpointing before tensor parallelism. With sharded
+    gradients at one microbatch the 10B job fits data-parallel in 40 GiB; in 24 GiB it takes tp2."""
     job = _job("10B")
-    evaluated = smp.plan(**job, layout={**REFERENCE["10B"][3], **SEED_CHOICES, "fp16": True}).evaluated
-    assert evaluated.fits
     recommended = smp.plan(**job, precision="fp16").recommended
     assert recommended == {
         **recommended,
-        "tensor_parallel_degree": 4,
+        "tensor_parallel_degree": 1,
         "pipeline_parallel_degree": 1,
         "shard_optimizer_state": True,
         "activation_checkpointing": "each",
-        "prescaled_batch": True,
     }
+    smaller = smp.plan(**(job | {"gpu_memory": "24GiB"}), precision="fp16").recommended
+    assert smaller == {**smaller, "tensor_parallel_degree": 2, "shard_optimizer_state": True}
 
 
 def test_zero_bubble_v_places_two_half_stages_per_rank():
@@ -220,23 +221,24 @@ def test_json_shapes(config_json):
 
 
 def test_table_output(config_json):
-    code, out, _ = _cli("--model", config_json, *JOB_ARGS)
+    code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--gpu-memory", "24GiB")
     assert code == 0
-    assert "recommended: {" in out and "4. tensor parallelism 4: fits" in out and "does not fit" in out
+    assert "recommended: {" in out and "4. tensor parallelism 2: fits" in out and "does not fit" in out
 
 
 def test_python_dash_m_and_the_function_share_the_name(config_json, monkeypatch, capsys):
     # `python -m smp.plan` runs smp/plan.py as __main__ (runpy is what -m uses).
-    monkeypatch.setattr(sys, "argv", ["smp.plan", "--model", config_json, *JOB_ARGS, "--json"])
+    argv = ["smp.plan", "--model", config_json, *JOB_ARGS, "--gpu-memory", "24GiB", "--json"]
+    monkeypatch.setattr(sys, "argv", argv)
     with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
         warnings.simplefilter("ignore", RuntimeWarning)  # smp.plan may already be imported
         runpy.run_module("smp.plan", run_name="__main__", alter_sys=True)
     assert done.value.code == 0
-    assert json.loads(capsys.readouterr().out)["recommended"]["tensor_parallel_degree"] == 4
+    assert json.loads(capsys.readouterr().out)["recommended"]["tensor_parallel_degree"] == 2
     import smp.plan  # noqa: F401  (rebinds the attribute smp.plan to the module: still callable)
 
-    result = smp.plan(config_json, seq_len=512, global_batch=1280, gpus=128)
-    assert result.recommended["tensor_parallel_degree"] == 4
+    result = smp.plan(config_json, seq_len=512, global_batch=1280, gpus=128, gpu_memory="24GiB")
+    assert result.recommended["tensor_parallel_degree"] == 2
 
 
 @pytest.mark.parametrize(

@@ -33,15 +33,18 @@ class Layout:
     bf16: bool = False
     offload_activations: bool = False
     activation_loading_horizon: int = 4
-    shard_gradients: bool | None = None  # the config key; see sharded_gradients
+    shard_gradients: bool | None = None  # the config key; see gradient_sharding
 
     @property
-    def sharded_gradients(self) -> bool:
-        """Whether smp keeps only each rank's chunk of the gradients (ZeRO-2): with sharded state
-        and replicas, where the config asks, or by itself at one microbatch (where it saves)."""
+    def gradient_sharding(self) -> bool | None:
+        """Whether smp keeps only each rank's chunk of the gradients (ZeRO-2): False never, True
+        (asked for, with sharded state and replicas), None where it saves enough memory (one
+        microbatch: smp decides by the gradients' size, memory.py as GradSync.can_shard)."""
         if not self.shard_optimizer_state or self.rdp == 1 or self.shard_gradients is False:
             return False
-        return self.shard_gradients is True or self.microbatches == 1
+        if self.shard_gradients:
+            return True
+        return None if self.microbatches == 1 else False
 
     @property
     def active(self) -> int:
@@ -89,7 +92,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"tp={self.tp}", f"rdp={self.rdp}"]
         if self.shard_optimizer_state:
-            parts.append("sharded optimizer" + (" and gradients" if self.sharded_gradients else ""))
+            parts.append("sharded optimizer")
         if self.checkpointing != "none":
             parts.append(f"checkpoint {self.checkpointing}")
         if self.prescaled_batch:

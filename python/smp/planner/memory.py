@@ -189,10 +189,19 @@ def _stage(
     )
 
 
+def _shards_gradients(layout: Layout, p: float) -> bool:
+    """smp's choice (data_parallel/grad_sync.py GradSync.can_shard): asked for, or on by itself
+    where the chunk saves over twice the buckets in flight."""
+    mode = layout.gradient_sharding
+    if mode is None:
+        return p * 4 * (1 - 1 / layout.rdp) > 2 * SHARDED_GRADIENT_BUCKETS
+    return mode
+
+
 def _gradient_terms(layout: Layout, runtime: Runtime, p: float, chunk: float) -> tuple[float, float, float]:
     """(the gradients accumulated in backward, every gradient copy at the step, the data-parallel
     buckets' copies) in bytes, for `p` parameters of which this rank steps `chunk`."""
-    if runtime.gradient_sharding and layout.sharded_gradients:
+    if runtime.gradient_sharding and _shards_gradients(layout, p):
         # This rank's chunk, and the buckets being averaged (data_parallel/grad_sync.py).
         accumulation = at_step = chunk * 4 + SHARDED_GRADIENT_BUCKETS
     elif layout.half and runtime.fp32_accumulation:
