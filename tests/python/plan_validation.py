@@ -78,7 +78,7 @@ def _train_and_measure(smp, layout: dict) -> dict:
     model.track_saved_activations()
     # smp's meter counts what its pipeline stages save; a model run whole (no pipeline, no TP)
     # has no stage, so the same meter class is wrapped around the call there.
-    whole = SavedActivationMeter(model.parameters())
+    whole = SavedActivationMeter(model.parameters)
     run_whole = smp.pp_size() == 1 and smp.tp_size() == 1
     inner = torch.optim.Adam(model.parameters(), lr=1e-4)
     opt = smp.DistributedOptimizer(inner)

@@ -332,7 +332,7 @@ def test_split_backward_defers_exactly_the_linear_weights(hooks_shown, monkeypat
     fired = {n: 0 for n in names.values()}
     for n, p in trained.items():
         p.register_post_accumulate_grad_hook(lambda _, n=n: fired.__setitem__(n, fired[n] + 1))
-    meter = activation_meter.SavedActivationMeter(model.parameters())
+    meter = activation_meter.SavedActivationMeter(model.parameters)
     now = [p for p in model.parameters() if id(p) not in deferred]
     after_first: dict[str, torch.Tensor] = {}
     for microbatch in (1, 2):  # the second adds into the gradients the first left (in place)

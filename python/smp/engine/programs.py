@@ -75,7 +75,7 @@ class Programs:
         with self._building():
             (plan, programs), seconds = signatures.timed(first)
         self._plan = plan
-        self._meter = SavedActivationMeter(self._module.parameters())
+        self._meter = SavedActivationMeter(self._module.parameters)
         self._modes = frozenset(programs)
         for flags, program in programs.items():
             self.cache.put(flags, signature, program, seconds / len(programs))

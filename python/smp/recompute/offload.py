@@ -86,6 +86,7 @@ class ActivationOffloader:
 
     def finish_step(self) -> None:
         self._held.clear()
+        self._param_storages = None  # read again: an optimizer's flat state may have moved them
 
     def _pack(self, tensor: torch.Tensor):
         if self._param_storages is None:

@@ -27,7 +27,10 @@ def parameter_storages(parameters) -> set[int]:
 
 class SavedActivationMeter:
     def __init__(self, parameters):
-        self._param_storages = parameter_storages(parameters)
+        """`parameters`: a function giving the module's parameters now. Their storages are read
+        again at each track(): an optimizer's flat state moves them into one buffer."""
+        self._parameters = parameters
+        self._param_storages = parameter_storages(parameters())
         self._live: dict[int, list[int]] = {}  # storage -> [saved count, bytes]
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -40,6 +43,7 @@ class SavedActivationMeter:
 
     @contextlib.contextmanager
     def track(self):
+        self._param_storages = parameter_storages(self._parameters())
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
 
