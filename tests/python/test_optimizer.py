@@ -79,6 +79,54 @@ def test_sharded_gradients_train_like_whole_ones(world_size, base, options):
                 assert abs(r["norm0"] - r["ref_norm0"]) <= 1e-5 * r["ref_norm0"], r
 
 
+def _two_passes_per_step(rank, world_size, shard_gradients):
+    """Gradients accumulated over 2 steps (backward_passes_per_step, the optimizer stepping every
+    second step) with sharded gradients or whole ones: the parameters after 4 steps."""
+    import smp
+
+    smp.init({"shard_optimizer_state": True, "shard_gradients": shard_gradients})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(
+        pipeline_cases.models.GPT(layers=1), backward_passes_per_step=2, bucket_cap_mb=0.02
+    )
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    for s in range(4):
+        if s % 2 == 0:
+            opt.zero_grad()
+        train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + 10 * rank)))
+        if s % 2 == 1:
+            opt.step()
+    return {n: p.detach().clone().tolist() for n, p in model.local_named_parameters()}
+
+
+def test_sharded_gradients_accumulate_over_steps():
+    sharded = run_ranks(_two_passes_per_step, 2, True, timeout=300)
+    whole = run_ranks(_two_passes_per_step, 2, False, timeout=300)
+    assert sharded[0].keys() == whole[0].keys()
+    for rank in range(2):
+        for name in whole[rank]:
+            torch.testing.assert_close(
+                torch.tensor(sharded[rank][name]), torch.tensor(whole[rank][name]), atol=1e-6, rtol=1e-6
+            )
+    # and training moved them (4 steps at lr 1e-3): the comparison above is not of untouched weights
+    untrained = run_ranks(_untrained_gpt, 1, timeout=120)[0]
+    assert untrained.keys() == sharded[0].keys()
+    assert all(sharded[0][n] != untrained[n] for n in untrained)
+
+
+def _untrained_gpt(rank, world_size):
+    torch.manual_seed(0)
+    model = pipeline_cases.models.GPT(layers=1)
+    return {n: p.detach().clone().tolist() for n, p in model.named_parameters()}
+
+
 def test_param_groups_scheduler_clipping_and_full_state():
     # AdamW with two param groups, a StepLR scheduler and clipping, sharded over 2 ranks: the full
     # state_dict gathered from the shards equals the reference optimizer's state per parameter.
