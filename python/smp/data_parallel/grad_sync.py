@@ -137,6 +137,7 @@ class GradSync:
         self._shards: list[_Shard] = []  # optimizers' sharded groups (use_sharded_grads)
         self._sharded_ids: set[int] = set()
         self._retired = 0  # sharded buckets averaged and freed this step
+        self._published = False  # low-precision .grads set by finish_step(publish=True)
         self._buffers: list[_Buffer] = []  # every buffer in use: the given ones, then own ones
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
@@ -246,9 +247,11 @@ class GradSync:
         self._launched = []
         self._retired = 0
 
-    def finish_step(self, backward_ran: bool) -> None:
+    def finish_step(self, backward_ran: bool, publish: bool = False) -> None:
         """The step's end: waits for the buckets and sums shared parameters' gradients, if a
-        backward ran (every rank runs model.backward in a training step) and the step syncs."""
+        backward ran (every rank runs model.backward in a training step) and the step syncs.
+        `publish` (no smp.DistributedOptimizer reads the fp32 gradients): bf16/fp16 parameters get
+        their averaged gradient in their own dtype as `.grad`, for a plain torch optimizer."""
         if not backward_ran or not self._sync:
             return  # a forward-only step, or one that only accumulates
         while len(self._launched) < len(self._buckets):
@@ -271,6 +274,12 @@ class GradSync:
         for shard in self._shards:  # after the sums: a bucket's copy of these spots held zeros
             for p in shard.whole:
                 shard.take_whole(p, self._grad(p))
+        if publish:
+            for buffer in self._buffers:
+                if buffer.low:
+                    for p, view in buffer.views():
+                        p.grad = view.to(p.dtype)
+                    self._published = True
 
     def _attach(self, new_window: bool) -> None:
         """Before a step's backward: parameters in their buffer's dtype have their grads the buffer's
@@ -283,11 +292,15 @@ class GradSync:
                     self._view[id(p)].zero_()
         for buffer in self._buffers:
             if buffer.low:
+                if self._published:  # autograd would add to them, and the hook add them again
+                    for p in buffer.params:
+                        p.grad = None
                 if new_window:
                     buffer.grads.zero_()
             else:
                 for p, view in buffer.views():
                     attach_grad(p, view)
+        self._published = False
 
     def _hook_params(self) -> list:
         """A hook on each parameter's gradient accumulation, where there is something to do as each

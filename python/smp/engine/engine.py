@@ -134,7 +134,7 @@ class Engine:
         self.programs.finish_step()
         self._checkpointing.finish_step()
         if self.grad_sync is not None:
-            self.grad_sync.finish_step(self._backward_ran)
+            self.grad_sync.finish_step(self._backward_ran, publish=not self._consumers)
         if self._finite is not None:
             named = self.module.named_parameters() if self._backward_ran else ()
             grads = [(n, params.applied_grad(p)) for n, p in named if not params.is_nonlocal(p)]
