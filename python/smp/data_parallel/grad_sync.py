@@ -166,7 +166,7 @@ class GradSync:
     def use_flat_grads(
         self, grads: torch.Tensor, params: list[torch.nn.Parameter], offsets: list[int]
     ) -> None:
-        """From the next step on, keeps these parameters' gradients in `grads` (a parameter in its
+        """From now on keeps these parameters' gradients in `grads` (a parameter in its
         dtype has its grad the view at its offset; a bf16/fp16 one accumulates into that view),
         averaged there in place. Their gradients so far are copied in now. Called between steps, or
         before a step's first backward."""
