@@ -16,6 +16,9 @@ replicated, or sharded on one dimension (layout.py). Parameters and inputs start
 - Any other op gets its inputs gathered first, and model outputs are gathered: the
   rewrite is always correct; what it recognizes only decides how fast it runs.
 
+Modules that shard themselves (smp.nn's, registered with `register_explicit_module`) keep
+their parameters as they are, reported among the shards (explicit.py).
+
 A block whose head count or feature count does not divide by the group size stays
 replicated (reported in `TensorParallelResult.replicated`), as does a parameter that
 some unmarked code also reads.
@@ -41,9 +44,10 @@ from ..fx_utils import fetch_attr, module_stack, parent_path
 from ..linear_forms import canonicalize_linears
 from . import rules  # noqa: F401  (importing registers every rule)
 from .driver import Demote, Rewrite
+from .explicit import explicit_specs, register_explicit_module
 from .layout import ShardSpec
 
-__all__ = ["ShardSpec", "TensorParallelResult", "tensor_parallel"]
+__all__ = ["ShardSpec", "TensorParallelResult", "register_explicit_module", "tensor_parallel"]
 
 
 @dataclasses.dataclass
@@ -94,9 +98,17 @@ def tensor_parallel(
                 local = spec.local(full.detach(), rank, size)
             shards[id(full)] = nn.Parameter(local, requires_grad=full.requires_grad)
         _assign(gm, target, shards[id(full)])
+    # smp.nn's modules hold their shards already: reported as shards (a new Parameter object on
+    # the same storage, as the caller frees the tensors it replaces), never cut again.
+    explicit = explicit_specs(gm)
+    for target in explicit:
+        held = fetch_attr(gm, target)
+        if id(held) not in shards:
+            shards[id(held)] = nn.Parameter(held.detach(), requires_grad=held.requires_grad)
+        _assign(gm, target, shards[id(held)])
     gm.graph = rewrite.graph
     gm.recompile()
-    return TensorParallelResult(dict(rewrite.specs), shards, replicated)
+    return TensorParallelResult(dict(rewrite.specs) | explicit, shards, replicated)
 
 
 def _run_with_demotions(

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..fx_utils import fetch_attr, module_stack, parent_path
 from . import registry
+from .explicit import explicit_modules
 from .layout import Layout, Shard, ShardSpec, local_val
 
 aten = torch.ops.aten
@@ -61,6 +62,8 @@ class Rewrite:
         self._cache: dict[tuple[str, Any], fx.Node] = {}  # (original node name, what) -> local node
         self.current: fx.Node | None = None  # the original node being rewritten
         self.trainable = _trainable_values(gm)  # original nodes whose value depends on a parameter
+        # Paths of the modules that shard themselves (smp.nn's): the pass leaves their parameters alone.
+        self.explicit = set(explicit_modules(gm))
 
     def run(self) -> fx.Graph:
         for node in self.gm.graph.nodes:
@@ -232,6 +235,8 @@ class Rewrite:
             return False
         if not isinstance(fetch_attr(self.gm, attr.target), nn.Parameter):
             return False  # a buffer (or constant) weight stays whole
+        if any(attr.target.startswith(path + ".") for path in self.explicit):
+            return False  # an smp.nn distributed module's: already this rank's shard, or whole by design
         stack = module_stack(node)
         if not stack or stack[-1] not in self.marked:
             return False

@@ -57,7 +57,11 @@ def coverage(
     """The report for `module` (still holding its full parameters) after the pass gave `result`."""
     names: dict[int, list[str]] = {}  # a tied tensor has several names; the pass knows one
     tensors: dict[int, nn.Parameter] = {}
+    # smp.nn's modules shard themselves: the pass has no say over their parameters.
+    explicit = [path for path, m in module.named_modules() if getattr(m, "smp_explicit_tp", False)]
     for name, p in module.named_parameters(remove_duplicate=False):
+        if any(name.startswith(path + ".") for path in explicit):
+            continue
         if p.dim() >= 2 and parent_path(name) in marked:
             names.setdefault(id(p), []).append(name)
             tensors[id(p)] = p
