@@ -4,7 +4,8 @@
 SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 """
 
-from smp import amp, ops  # amp.GradScaler; ops registers the tensor-parallel ops' fake kernels
+# amp.GradScaler; nn: SMP v1's distributed modules (smp.nn); ops registers the TP ops' fake kernels
+from smp import amp, nn, ops
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
 from smp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint, wait_for_checkpoint
@@ -61,6 +62,7 @@ from smp.planner import plan as plan  # the config planner (python -m smp.plan i
 from smp.services.timeline import write as write_timeline
 from smp.step import StepOutput, step
 from smp.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
+from smp.tensor_parallel.registration import tp_register, tp_register_with_module
 from smp.topology import CommGroup, RankType, Topology
 
 __version__ = "0.1.0"
@@ -161,6 +163,9 @@ __all__ = [
     "tensor_parallelism",
     "tensor_parallel_seed",
     "tp_barrier",
+    "tp_register",
+    "tp_register_with_module",
+    "nn",
     "tp_rank",
     "tp_size",
     "write_timeline",

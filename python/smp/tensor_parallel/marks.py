@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from smp import module_marks
+from smp.tensor_parallel import registration
 
 _ATTR = "_smp_tensor_parallel"
 
@@ -24,10 +25,11 @@ _ATTR = "_smp_tensor_parallel"
 def tensor_parallelism(enabled: bool = True, **kwargs):
     """Modules constructed inside the block are (enabled=True) or are not distributed.
 
-    SMP v1's per-module keyword arguments (for its own distributed transformer classes)
-    are accepted and have no effect: smp shards the model's own layers.
+    A class registered with `smp.tp_register` that is built inside is replaced by its
+    distributed module, and `kwargs` that the distributed module's __init__ takes override the
+    init_hook's (SMP v1's rule); other keywords have no effect: smp shards the model's own layers.
     """
-    with module_marks.marking(_ATTR, bool(enabled)):
+    with module_marks.marking(_ATTR, bool(enabled)), registration.distributing(enabled, kwargs):
         yield
 
 

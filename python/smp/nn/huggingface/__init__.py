@@ -1,12 +1,14 @@
-"""SMP v1's Hugging Face translate functions: `smp.nn.huggingface.<model>.translate_*`.
+"""SMP v1's Hugging Face support: `smp.nn.huggingface.<model>`.
 
 SMP v1 replaced Hugging Face layers by its own distributed transformer classes, whose
-state_dict keys differed, and shipped functions that renamed keys both ways. smp shards
-the model's own layers and keeps the module's keys, so every translate function returns
-the state_dict it is given (`max_seq_len` and other SMP arguments are accepted). The
-submodules gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the names
-SMP's did, so `from smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2`
-(and the same under `smdistributed.modelparallel.torch`) works unchanged.
+state_dict keys differed, and shipped hooks for registering them and functions that renamed
+keys both ways. `gpt2`, `bert` and `roberta` (gpt2.py, bert.py, roberta.py) have SMP's hooks for
+their blocks and real translate functions (see there). For the other models smp's graph tensor
+parallelism shards the model's own layers and keeps the module's keys, so their translate
+functions return the state_dict they are given (`max_seq_len` and other SMP arguments are
+accepted). The submodules gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the
+names SMP's did, so `from smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2` (and
+the same under `smdistributed.modelparallel.torch`) works unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def _submodule(model: str) -> types.ModuleType:
 
 
 for _model in MODELS:
-    globals()[_model] = sys.modules[f"{__name__}.{_model}"] = _submodule(_model)
+    if _model not in ("gpt2", "bert", "roberta"):  # those are real modules
+        globals()[_model] = sys.modules[f"{__name__}.{_model}"] = _submodule(_model)
+
+from smp.nn.huggingface import bert, gpt2, roberta  # noqa: E402, F401  (real modules, in MODELS)
 
 __all__ = ["MODELS", "identity_translation", *MODELS]

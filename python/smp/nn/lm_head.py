@@ -1,0 +1,149 @@
+"""SMP v1's DistributedTransformerLMHead: embeddings, a DistributedTransformer and an LM head
+tied to the word embedding.
+
+The word embedding is cut by vocabulary rows (vocab_size / tp per rank); the head reuses those
+rows, so its logits are vocab-sharded and, given labels, the loss is the vocabulary-parallel
+cross entropy (logits never gathered). Position and token-type embeddings are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from smp import ops
+from smp.nn import initialization as init
+from smp.nn import tp_group
+from smp.nn.distributed_module import DistributedModule
+from smp.nn.transformer import DistributedTransformer
+
+
+class VocabParallelEmbedding(DistributedModule):
+    """A word embedding cut by rows: this rank holds vocab_size / tp of them (`weight`)."""
+
+    SHARD_DIMS = {"weight": 0}
+
+    def __init__(self, vocab_size: int, hidden_size: int, fill: init.Fill, same_seed: bool):
+        super().__init__()
+        local = tp_group.divide("DistributedTransformerLMHead", "vocab_size", vocab_size)
+        self.new_parameter("weight", (local, hidden_size), 0, fill, same_seed)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        group = self.shard_group()
+        if group is None:
+            return F.embedding(input_ids, self.weight)
+        start = tp_group.tp_rank() * self.weight.shape[0]
+        return ops.vocab_parallel_embedding(input_ids, self.weight, start, None, group)
+
+
+class DistributedTransformerLMHead(DistributedModule):
+    """forward(inputs): inputs = (input_ids, attention_mask, token_type_ids, position_ids, labels),
+    with (..., cross_states, cross_mask, labels) in the middle under add_cross_attention.
+    attention_mask is [N, S] with 1 at masked positions (SMP's convention), or None; token_type_ids
+    and position_ids may be None. Returns the loss (mean cross entropy over labels != -100) when
+    labels are given, else the logits [N, S, vocab_size] (the hidden states without add_lm_head).
+    With pre_layernorm alone a final LayerNorm (`layernorm`) follows the transformer, as pre-LN
+    models (GPT-2's ln_f) need."""
+
+    def __init__(
+        self,
+        num_layers: int = 12,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
+        hidden_size: int = 1024,
+        intermediate_size: int = 4096,
+        vocab_size: int = 30522,
+        num_positions: int = 1024,
+        attention_dropout_prob: float = 0.1,
+        hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu",
+        layernorm_epsilon: float = 1e-5,
+        num_token_types: int = 0,
+        causal_mask_size: int | None = None,
+        add_cross_attention: bool = False,
+        add_lm_head: bool = True,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        initialize_with_same_seed: bool = False,
+    ):
+        super().__init__()
+        self.vocab_size, self.add_lm_head = vocab_size, add_lm_head
+        self.add_cross_attention = add_cross_attention
+        # A pre-LN stack needs a final norm (GPT-2's ln_f); with both norms the stack ends with one.
+        self.use_final_layernorm = pre_layernorm and not post_layernorm
+        embedding_fill = init.normal(initializer_range if use_normal_initialization else 1.0)
+        self.word_embedding = VocabParallelEmbedding(
+            vocab_size, hidden_size, embedding_fill, initialize_with_same_seed
+        )
+        self.position_embedding = nn.Embedding(num_positions, hidden_size)
+        self.token_type_embedding = nn.Embedding(num_token_types, hidden_size) if num_token_types else None
+        if use_normal_initialization:
+            for table in (self.position_embedding, self.token_type_embedding):
+                if table is not None:
+                    nn.init.normal_(table.weight, 0.0, initializer_range)
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.transformer = DistributedTransformer(
+            num_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            attention_head_size=attention_head_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            attention_dropout_prob=attention_dropout_prob,
+            hidden_dropout_prob=hidden_dropout_prob,
+            activation=activation,
+            layernorm_epsilon=layernorm_epsilon,
+            initializer_range=initializer_range,
+            use_normal_initialization=use_normal_initialization,
+            causal_mask_size=causal_mask_size,
+            add_cross_attention=add_cross_attention,
+            pre_layernorm=pre_layernorm,
+            post_layernorm=post_layernorm,
+            initialize_with_same_seed=initialize_with_same_seed,
+        )
+        if self.use_final_layernorm:
+            self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+
+    def forward(self, inputs):
+        if self.add_cross_attention:
+            input_ids, attention_mask, token_type_ids, position_ids, cross_states, cross_mask, labels = inputs
+        else:
+            input_ids, attention_mask, token_type_ids, position_ids, labels = inputs
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        hidden = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        if token_type_ids is not None and self.token_type_embedding is not None:
+            hidden = hidden + self.token_type_embedding(token_type_ids)
+        hidden = self.dropout(hidden)
+        mask = None
+        if attention_mask is not None:  # 1 = masked -> an additive [N, 1, 1, S] mask
+            mask = attention_mask[:, None, None, :].to(hidden.dtype) * torch.finfo(hidden.dtype).min
+        if self.add_cross_attention:
+            extra = None if cross_mask is None else cross_mask[:, None, None, :].to(hidden.dtype)
+            if extra is not None:
+                extra = extra * torch.finfo(hidden.dtype).min
+            hidden = self.transformer((hidden, cross_states, mask, extra))[0]
+        else:
+            hidden = self.transformer((hidden, mask))[0]
+        if self.use_final_layernorm:
+            hidden = self.layernorm(hidden)
+        if not self.add_lm_head:
+            return hidden
+        return self._head(hidden, labels)
+
+    def _head(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        group = self.shard_group()
+        weight = self.word_embedding.weight
+        if group is None:
+            logits = F.linear(hidden, weight)
+            if labels is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+        logits = ops.column_parallel_linear(hidden, weight, None, group)  # vocab-sharded
+        if labels is None:
+            return ops.tp_gather(logits, -1, group)
+        start = tp_group.tp_rank() * weight.shape[0]
+        losses = ops.vocab_parallel_cross_entropy(logits, labels, start, -100, group)
+        return losses.sum() / (labels != -100).sum()

@@ -1,0 +1,193 @@
+"""SMP v1's `smp.tp_register` / `smp.tp_register_with_module`: a model's own module class mapped
+onto a distributed module (an smp.nn class) that computes the same function.
+
+Registering installs a `__new__` on the class: built inside `smp.tensor_parallelism()` (or
+`smp.model_creation(tensor_parallelism=True)`), the class returns the distributed module instead
+(Python then skips the class's own `__init__`), made from `init_hook(*args, **kwargs)`; outside
+the context, or with `enabled=False`, the class builds itself as before. Only the outermost
+registered module is replaced: classes built while a distributed module is being built stay as
+they are. `forward_hook` (a forward pre-hook) maps the original call's arguments to the
+distributed module's, `return_hook` (a forward hook) its result back. The context's keyword
+arguments override the init_hook's where the distributed module's `__init__` takes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+_state = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    module_cls: type
+    dist_module: type
+    init_hook: Callable | None
+    forward_hook: Callable | None
+    return_hook: Callable | None
+    original_new: Callable
+
+
+_registry: dict[type, Registration] = {}
+
+
+def _contexts() -> list[tuple[bool, dict[str, Any]]]:
+    if not hasattr(_state, "contexts"):
+        _state.contexts = []
+    return _state.contexts
+
+
+@contextlib.contextmanager
+def distributing(enabled: bool, overrides: dict[str, Any]):
+    """Registered classes built inside are (enabled) or are not replaced; the innermost block wins."""
+    _contexts().append((bool(enabled), dict(overrides)))
+    try:
+        yield
+    finally:
+        _contexts().pop()
+
+
+def _active() -> tuple[bool, dict[str, Any]]:
+    contexts = _contexts()
+    return contexts[-1] if contexts else (False, {})
+
+
+def registered(module_cls: type) -> Registration | None:
+    return _registry.get(module_cls)
+
+
+def tp_register(dist_module, init_hook=None, forward_hook=None, return_hook=None):
+    """Class decorator: `@smp.tp_register(smp.nn.DistributedTransformer, init_hook=...)`."""
+
+    def decorate(module_cls):
+        tp_register_with_module(module_cls, dist_module, init_hook, forward_hook, return_hook)
+        return module_cls
+
+    return decorate
+
+
+def tp_register_with_module(module_cls, dist_module, init_hook=None, forward_hook=None, return_hook=None):
+    """Registers `dist_module` as the distributed version of the existing class `module_cls`."""
+    for role, cls in (("module_cls", module_cls), ("dist_module", dist_module)):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"smp.tp_register: {role} must be an nn.Module subclass, got {cls!r}")
+    if module_cls in _registry:
+        raise ValueError(
+            f"smp.tp_register: {module_cls.__qualname__} is already registered to "
+            f"{_registry[module_cls].dist_module.__qualname__}; register each class once "
+            f"(a second registration, here to {dist_module.__qualname__}, would silently replace the first)"
+        )
+    _check_hook("init_hook", init_hook, module_cls, "__init__")
+    _check_hook("forward_hook", forward_hook, module_cls, "forward")
+    if return_hook is not None:
+        if not callable(return_hook):
+            raise TypeError(f"smp.tp_register: return_hook must be callable, got {return_hook!r}")
+        try:
+            inspect.signature(return_hook).bind(None)
+        except TypeError:
+            raise ValueError(
+                f"smp.tp_register: return_hook {_describe(return_hook)} must take one argument, the "
+                f"distributed module's output, and return what {module_cls.__qualname__}.forward returns"
+            ) from None
+    original_new = module_cls.__new__
+    _registry[module_cls] = Registration(
+        module_cls, dist_module, init_hook, forward_hook, return_hook, original_new
+    )
+    module_cls.__new__ = _new
+
+
+def _describe(fn) -> str:
+    try:
+        return f"{getattr(fn, '__qualname__', fn)}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+def _shape(sig: inspect.Signature, drop_self: bool) -> list[tuple[str, Any]]:
+    params = list(sig.parameters.values())[1 if drop_self else 0 :]
+    out = []
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            out.append(("*", p.kind))
+        elif p.kind is p.VAR_KEYWORD:
+            out.append(("**", p.kind))
+        else:
+            out.append((p.name, p.kind if p.kind is p.KEYWORD_ONLY else p.POSITIONAL_OR_KEYWORD))
+    return out
+
+
+def _check_hook(role: str, hook, module_cls: type, method: str) -> None:
+    """SMP's rule: a hook takes exactly the original method's arguments (without self); a hook of
+    (*args, **kwargs) takes anything."""
+    if hook is None:
+        return
+    if not callable(hook):
+        raise TypeError(f"smp.tp_register: {role} must be callable or None, got {hook!r}")
+    hook_shape = _shape(inspect.signature(hook), drop_self=False)
+    if [name for name, _ in hook_shape] == ["*", "**"]:
+        return
+    original = getattr(module_cls, method)
+    wanted = _shape(inspect.signature(original), drop_self=True)
+    if hook_shape != wanted:
+        raise ValueError(
+            f"smp.tp_register: {role} {_describe(hook)} does not match "
+            f"{module_cls.__qualname__}.{method}{inspect.signature(original)}: the hook must take exactly "
+            f"the arguments of {method} without self, in the same order (or *args, **kwargs), and return "
+            "(args, kwargs) for the distributed module"
+        )
+
+
+def _new(cls, *args, **kwargs):
+    registration = _registry.get(cls)
+    enabled, overrides = _active()
+    if registration is None or not enabled:
+        # Not registered itself (a subclass of a registered class), or outside the context.
+        original = _original_new(cls)
+        return original(cls) if original is object.__new__ else original(cls, *args, **kwargs)
+    return _build(registration, args, kwargs, overrides)
+
+
+def _original_new(cls):
+    for klass in cls.__mro__:
+        found = _registry.get(klass)
+        if found is not None:
+            return found.original_new
+    return object.__new__
+
+
+def _split(role: str, registration: Registration, result) -> tuple[tuple, dict]:
+    ok = isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)
+    if not ok:
+        raise TypeError(
+            f"smp.tp_register: the {role} registered for {registration.module_cls.__qualname__} returned "
+            f"{type(result).__name__}, not an (args, kwargs) tuple with a dict of keyword arguments"
+        )
+    return tuple(result[0]), result[1]
+
+
+def _build(registration: Registration, args: tuple, kwargs: dict, overrides: dict) -> nn.Module:
+    if registration.init_hook is not None:
+        args, kwargs = _split("init_hook", registration, registration.init_hook(*args, **kwargs))
+    accepted = inspect.signature(registration.dist_module.__init__).parameters
+    kwargs = {**kwargs, **{k: v for k, v in overrides.items() if k in accepted}}
+    with distributing(False, {}):  # only the outermost registered module is replaced
+        module = registration.dist_module(*args, **kwargs)
+    if registration.forward_hook is not None:
+        hook = registration.forward_hook
+
+        def pre_hook(module, call_args, call_kwargs):
+            return _split("forward_hook", registration, hook(*call_args, **call_kwargs))
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    if registration.return_hook is not None:
+        back = registration.return_hook
+        module.register_forward_hook(lambda module, call_args, output: back(output))
+    module.smp_replaces = registration.module_cls.__qualname__  # what was built in its place
+    return module
