@@ -82,25 +82,12 @@ def test_sharded_gradients_train_like_whole_ones(world_size, base, options):
 def _two_passes_per_step(rank, world_size, shard_gradients):
     """Gradients accumulated over 2 steps (backward_passes_per_step, the optimizer stepping every
     second step) with sharded gradients or whole ones: the parameters after 4 steps."""
-    import smp
-
-    smp.init({"shard_optimizer_state": True, "shard_gradients": shard_gradients})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(
-        pipeline_cases.models.GPT(layers=1), backward_passes_per_step=2, bucket_cap_mb=0.02
-    )
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
-
-    @smp.step
-    def train_step(ids):
-        loss = pipeline_cases.models.lm_loss(model(ids), ids)
-        model.backward(loss)
-        return loss
-
+    config = {"shard_optimizer_state": True, "shard_gradients": shard_gradients}
+    _, model, opt, train = _sharded_gpt(rank, config, backward_passes_per_step=2, bucket_cap_mb=0.02)
     for s in range(4):
         if s % 2 == 0:
             opt.zero_grad()
-        train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + 10 * rank)))
+        train.step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + 10 * rank)))
         if s % 2 == 1:
             opt.step()
     return {n: p.detach().clone().tolist() for n, p in model.local_named_parameters()}
@@ -146,13 +133,14 @@ def test_clipped_norm_pp2_tp2():
         assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
 
 
-def _sharded_gpt(rank):
-    """A one-layer GPT with Adam state sharded over the 2 ranks, and a function training a step."""
+def _sharded_gpt(rank, config=None, **model_kwargs):
+    """A one-layer GPT with Adam state sharded over the 2 ranks, and a function training a step
+    (its `.step`: the @smp.step function alone)."""
     import smp
 
-    smp.init({"shard_optimizer_state": True})
+    smp.init(config or {"shard_optimizer_state": True})
     torch.manual_seed(0)
-    model = smp.DistributedModel(pipeline_cases.models.GPT(layers=1))
+    model = smp.DistributedModel(pipeline_cases.models.GPT(layers=1), **model_kwargs)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
 
     @smp.step
@@ -165,6 +153,8 @@ def _sharded_gpt(rank):
         opt.zero_grad()
         train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + rank)))
         opt.step()
+
+    train.step = train_step
 
     return smp, model, opt, train
 
