@@ -23,7 +23,7 @@ copied in or out (DDP's `gradient_as_bucket_view`, Megatron's main-gradient buff
 Sharded gradients (ZeRO-2, `use_sharded_grads`): with the optimizer state sharded, a bucket's
 fp32 storage is allocated at its first gradient, averaged as soon as it is complete, and freed
 once this rank's chunk of it is copied into the optimizer's chunk gradient; at most
-`_IN_FLIGHT` buckets are being averaged at once. With one microbatch, buckets complete one after
+`IN_FLIGHT` buckets are being averaged at once. With one microbatch, buckets complete one after
 another during the backward, so the whole fp32 gradient never exists at once: a rank holds its
 chunk (4/R bytes per parameter) and a few buckets. Every gradient is added in and freed, in fp32
 too (`.grad` stays None).
@@ -31,7 +31,6 @@ too (`.grad` stays None).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -39,75 +38,16 @@ import torch.distributed as dist
 
 from smp import faults
 from smp import params as param_facts
+from smp.data_parallel.buffers import (
+    IN_FLIGHT,
+    Bucket,
+    Buffer,
+    Shard,
+    attach_grad,
+    own_buffers,
+    split_into_buckets,
+)
 from smp.services import timeline
-
-_IN_FLIGHT = 2  # sharded gradients: buckets being averaged at once (each holds its storage)
-
-
-@dataclasses.dataclass
-class _Bucket:
-    params: list[torch.nn.Parameter]
-    flat: torch.Tensor | None  # the range of a gradient buffer with their gradients (averaged in place)
-    # Sharded gradients: the range [lo, hi) of its group's layout, the storage (allocated at the
-    # first gradient, freed once averaged), and the group.
-    lo: int = 0
-    hi: int = 0
-    storage: torch.Tensor | None = None
-    shard: _Shard | None = None
-
-    def sharded_view(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """p's part of the storage (allocated now if it is not yet)."""
-        if self.storage is None:
-            self.storage = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=p.device)
-        start = self.shard.offset_of[id(p)] - self.lo
-        return self.storage[start : start + p.numel()].view_as(p)
-
-
-@dataclasses.dataclass
-class _Shard:
-    """An optimizer's param group whose gradients are kept as this rank's chunk only: the
-    parameters laid out end to end (`offsets`), and the chunk [lo, lo + len(grad)) of that layout
-    whose averaged gradient goes to `grad`."""
-
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    lo: int
-    grad: torch.Tensor
-    whole: list[torch.nn.Parameter]  # of `params`, those whose gradient is kept whole (shared ones)
-
-    def __post_init__(self):
-        self.offset_of = {id(p): off for p, off in zip(self.params, self.offsets, strict=True)}
-
-    def take_whole(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Copies the chunk's part of a whole-kept parameter's final gradient into `grad`."""
-        off = self.offset_of[id(p)]
-        start, end = max(off, self.lo), min(off + p.numel(), self.lo + self.grad.numel())
-        if start < end:
-            self.grad[start - self.lo : end - self.lo].copy_(grad.reshape(-1)[start - off : end - off])
-
-    def take(self, bucket: _Bucket, storage: torch.Tensor) -> None:
-        """Copies the chunk's part of an averaged bucket into `grad`."""
-        start, end = max(bucket.lo, self.lo), min(bucket.hi, self.lo + self.grad.numel())
-        if start < end:
-            self.grad[start - self.lo : end - self.lo].copy_(storage[start - bucket.lo : end - bucket.lo])
-
-
-@dataclasses.dataclass
-class _Buffer:
-    """A flat gradient buffer and the parameters laid out in it."""
-
-    grads: torch.Tensor
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-
-    @property
-    def low(self) -> bool:
-        """Whether its parameters are bf16/fp16 accumulated in fp32 (else their grads are views)."""
-        return bool(self.params) and self.params[0].dtype != self.grads.dtype
-
-    def views(self):
-        for p, off in zip(self.params, self.offsets, strict=True):
-            yield p, self.grads[off : off + p.numel()].view_as(p)
 
 
 class GradSync:
@@ -133,13 +73,13 @@ class GradSync:
         # Gradient buffers only where a hook has work per gradient: with one replica in fp32 a
         # Python call per parameter per microbatch is pure cost, and plain .grad does.
         self._buffered = self._dp_size > 1 or self._fp32
-        self._given: list[_Buffer] = []  # optimizers' buffers (use_flat_grads)
-        self._shards: list[_Shard] = []  # optimizers' sharded groups (use_sharded_grads)
+        self._given: list[Buffer] = []  # optimizers' buffers (use_flat_grads)
+        self._shards: list[Shard] = []  # optimizers' sharded groups (use_sharded_grads)
         self._sharded_ids: set[int] = set()
         self._retired = 0  # sharded buckets averaged and freed this step
         self._published = False  # low-precision .grads set by finish_step(publish=True)
-        self._buffers: list[_Buffer] = []  # every buffer in use: the given ones, then own ones
-        self._buckets: list[_Bucket] = []
+        self._buffers: list[Buffer] = []  # every buffer in use: the given ones, then own ones
+        self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, int] = {}
         self._view: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's view of a buffer
         self._low_ids: set[int] = set()  # parameters accumulated into fp32 views
@@ -149,7 +89,7 @@ class GradSync:
         self._sync = True
         self._counts: dict[int, int] = {}  # id(param) -> gradients accumulated, for bucketed ones
         self._pending: list[int] = []
-        self._launched: list[tuple[_Bucket, dist.Work | None]] = []
+        self._launched: list[tuple[Bucket, dist.Work | None]] = []
         recorder = timeline.recorder()
         self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
 
@@ -172,7 +112,7 @@ class GradSync:
         before a step's first backward."""
         if not self._buffered:
             return  # one replica in fp32: the optimizer attaches its views itself
-        buffer = _Buffer(grads, list(params), list(offsets))
+        buffer = Buffer(grads, list(params), list(offsets))
         if buffer.low:
             with torch.no_grad():
                 for p, view in buffer.views():
@@ -200,7 +140,7 @@ class GradSync:
             return False
         whole = 4 * sum(p.numel() for p in self._params)  # bytes of fp32 gradients
         saved = whole * (1 - 1 / self._dp_size)
-        return saved > 2 * (_IN_FLIGHT + 1) * self._cap_bytes
+        return saved > 2 * (IN_FLIGHT + 1) * self._cap_bytes
 
     def can_shard_at_all(self) -> bool:
         """Whether gradients can be kept sharded: there are replicas to average."""
@@ -220,7 +160,7 @@ class GradSync:
         # A parameter shared with other stages is summed with its copies whole at the step's end:
         # it keeps a whole gradient, and gives the chunk its part after that sum.
         shared = {id(p) for _, p, _ in self._shared}
-        shard = _Shard(list(params), list(offsets), lo, grad, [p for p in params if id(p) in shared])
+        shard = Shard(list(params), list(offsets), lo, grad, [p for p in params if id(p) in shared])
         self._shards.append(shard)
         self._sharded_ids |= {id(p) for p in params if id(p) not in shared}
         for p in params:
@@ -339,7 +279,7 @@ class GradSync:
         bucket = self._buckets[index]
         if bucket.shard is not None:
             # Bounds the buckets held: the oldest being averaged is waited for and freed first.
-            while len(self._launched) - self._retired >= _IN_FLIGHT:
+            while len(self._launched) - self._retired >= IN_FLIGHT:
                 self._retire(self._retired)
             if bucket.storage is None:  # none of its parameters got a gradient
                 bucket.sharded_view(bucket.params[0])
@@ -391,7 +331,7 @@ class GradSync:
         covered = {id(p) for b in given for p in b.params} | self._sharded_ids
         rest = [p for p in self._params if id(p) not in covered]
         old = self._view
-        self._buffers = given + _own_buffers(rest, self._fp32, old)
+        self._buffers = given + own_buffers(rest, self._fp32, old)
         self._view = {id(p): view for b in self._buffers for p, view in b.views()}
         self._low_ids = {id(p) for b in self._buffers if b.low for p in b.params}
         for buffer in self._buffers:
@@ -399,77 +339,19 @@ class GradSync:
                 for p, view in buffer.views():
                     param_facts.set_grad32(p, view)
                     p.grad = None
-        buckets: list[_Bucket] = []
+        buckets: list[Bucket] = []
         for shard in reversed(self._shards):
             kept = [p for p in shard.params if id(p) in self._sharded_ids]
             order = sorted(kept, key=lambda p: shard.offset_of[id(p)], reverse=True)
-            for group in _buckets(order, self._cap_bytes):
+            for group in split_into_buckets(order, self._cap_bytes):
                 lo, hi = shard.offset_of[id(group[-1])], shard.offset_of[id(group[0])] + group[0].numel()
-                buckets.append(_Bucket(group, None, lo, hi, None, shard))
+                buckets.append(Bucket(group, None, lo, hi, None, shard))
         if self._dp_size > 1:
             for buffer in reversed(self._buffers):
                 offset_of = {id(p): off for p, off in zip(buffer.params, buffer.offsets, strict=True)}
                 order = sorted(buffer.params, key=lambda p: offset_of[id(p)], reverse=True)
-                for group in _buckets(order, self._cap_bytes):
+                for group in split_into_buckets(order, self._cap_bytes):
                     lo, hi = offset_of[id(group[-1])], offset_of[id(group[0])] + group[0].numel()
-                    buckets.append(_Bucket(group, buffer.grads[lo:hi]))
+                    buckets.append(Bucket(group, buffer.grads[lo:hi]))
         self._buckets = buckets
         self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
-
-
-def _own_buffers(
-    params: list[torch.nn.Parameter], fp32: bool, old: Mapping[int, torch.Tensor]
-) -> list[_Buffer]:
-    """One buffer per (gradient dtype, device) for `params`, in their order, holding the gradients
-    they have so far (a view of an earlier buffer, or .grad). The gradient dtype is the parameter's,
-    except fp32 for bf16/fp16 ones when accumulating in fp32."""
-    groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in params:
-        low = fp32 and p.dtype in (torch.bfloat16, torch.float16)
-        groups.setdefault((torch.float32 if low else p.dtype, p.device, low), []).append(p)
-    buffers = []
-    for (dtype, device, _), group in groups.items():
-        offsets, total = [], 0
-        for p in group:
-            offsets.append(total)
-            total += p.numel()
-        buffer = _Buffer(torch.zeros(total, dtype=dtype, device=device), group, offsets)
-        with torch.no_grad():
-            for p, view in buffer.views():
-                before = old.get(id(p))
-                if before is None and p.grad is not None:
-                    before = p.grad
-                if before is not None:
-                    view.copy_(before)
-        buffers.append(buffer)
-    return buffers
-
-
-def attach_grad(p: torch.nn.Parameter, view: torch.Tensor) -> None:
-    """Makes `view` p's grad, holding p's current gradient (zero if none): autograd then
-    accumulates into it in place."""
-    if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-        return
-    if p.grad is None:
-        view.zero_()
-    else:
-        view.copy_(p.grad)
-    p.grad = view
-
-
-def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive parameters of one dtype and device, about cap_bytes each."""
-    buckets: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if (
-            not buckets
-            or size + nbytes > cap_bytes
-            or (buckets[-1][0].dtype, buckets[-1][0].device) != (p.dtype, p.device)
-        ):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets

@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from smp import faults
-from smp.data_parallel.grad_sync import attach_grad
+from smp.data_parallel.buffers import attach_grad
 
 
 @dataclasses.dataclass
