@@ -31,6 +31,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from smp import faults
 from smp.data_parallel.buffers import attach_grad
+from smp.optim import grad_norm
 
 
 @dataclasses.dataclass
@@ -143,15 +144,15 @@ class FlatState:
             # bf16/fp16: their fp32 accumulators start every accumulation window at zero (GradSync)
 
     def squared_norm(self, counts: Callable[[nn.Parameter], bool]) -> torch.Tensor:
-        """Sum of squared chunk gradients over the parameters this rank counts."""
-        total = torch.zeros((), dtype=torch.float64)
-        for flat in self.groups:
-            if flat.master.grad is None:
-                continue
-            for p, _, c_start, n in flat.overlaps():
-                if counts(p):
-                    total += flat.master.grad[c_start : c_start + n].double().pow(2).sum().cpu()
-        return total
+        """Sum of squared chunk gradients over the parameters this rank counts (one host sync)."""
+        counted = [
+            flat.master.grad[c_start : c_start + n]
+            for flat in self.groups
+            if flat.master.grad is not None
+            for p, _, c_start, n in flat.overlaps()
+            if counts(p)
+        ]
+        return grad_norm.squares_of(counted)
 
     def scale_grads(self, factor: float) -> None:
         for flat in self.groups:

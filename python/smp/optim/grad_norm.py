@@ -23,13 +23,17 @@ def unsharded_squares(
 ) -> torch.Tensor:
     """Squares of whole gradients, which every reduced-data-parallel replica holds: the first
     replica (rdp rank 0) counts them."""
-    total = torch.zeros((), dtype=torch.float64)
     if not first_replica:
-        return total
-    grads = [p.grad.detach() for p in params if p.grad is not None and counts(p)]
-    for group in _by_device(grads):
-        # One foreach kernel and one copy to the host per device, not one per parameter (on CUDA
-        # each .cpu() is a sync); each tensor's norm accumulated in fp32, squared in fp64.
+        return torch.zeros((), dtype=torch.float64)
+    return squares_of([p.grad.detach() for p in params if p.grad is not None and counts(p)])
+
+
+def squares_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element of `tensors`, on the host in fp64: one foreach
+    kernel and one copy to the host per device, not one per tensor (on CUDA each .cpu() is a
+    sync); each tensor's norm accumulated in fp32, squared in fp64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for group in _by_device(tensors):
         total += torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).double().pow(2).sum().cpu()
     return total
 
