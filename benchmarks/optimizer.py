@@ -298,6 +298,11 @@ def max_abs_gap(model: torch.nn.Module, reference: torch.nn.Module) -> float:
     return max(float((a - b).abs().max()) for a, b in pairs)
 
 
+def smp_config(args) -> dict:
+    """smp's config: sharded state, and with --shard-gradients the gradients too (ZeRO-2)."""
+    return {"shard_optimizer_state": True, "shard_gradients": bool(args.shard_gradients)}
+
+
 def build(args) -> GPT:
     torch.manual_seed(0)
     return GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
@@ -305,7 +310,7 @@ def build(args) -> GPT:
 
 def measure(args) -> dict | None:
     torch.set_num_threads(1)  # two processes share the machine's cores
-    smp.init({"shard_optimizer_state": True})
+    smp.init(smp_config(args))
     if smp.size() != 2 or smp.rdp_size() != 2:
         sys.exit("run with torchrun --nproc_per_node=2: data parallel over two processes")
     gloo = dist.new_group(backend="gloo")
@@ -531,7 +536,7 @@ def rss_mib() -> float:
 def only(args) -> dict | None:
     """Trains one contestant alone (nothing else built) and follows the process's RSS."""
     torch.set_num_threads(1)
-    smp.init({"shard_optimizer_state": True})
+    smp.init(smp_config(args))
     gloo = dist.new_group(backend="gloo")
     gpt = build(args)
     run = SmpContestant(gpt) if args.only == "smp" else PeerContestant(gpt, gloo, args)
@@ -597,6 +602,9 @@ def main() -> None:
         help="peer: DistributedDataParallel(gradient_as_bucket_view=True), grads are views of the buckets",
     )
     parser.add_argument("--profile", action="store_true", help="profile one more step of each")
+    parser.add_argument(
+        "--shard-gradients", action="store_true", help="smp keeps only its chunk of the gradients (ZeRO-2)"
+    )
     parser.add_argument("--only", choices=("smp", "peer"), help="train one contestant alone; peak RSS")
     parser.add_argument("--json", help="rank 0 also writes the results to this file")
     args = parser.parse_args()

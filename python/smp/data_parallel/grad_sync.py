@@ -132,11 +132,15 @@ class GradSync:
         self._pending = [0] * len(self._buckets)
 
     def can_shard(self, expected_backwards: int, windowed: bool) -> bool:
-        """Whether `use_sharded_grads` would save memory: replicas to average, one microbatch and
-        no accumulation over steps (else every bucket lives through the whole backward), and
-        more saved than the buckets in flight cost (twice over: small models keep their whole
-        gradients, and torch's .grad)."""
+        """Whether `use_sharded_grads` would save memory without costing time: replicas to
+        average, one microbatch and no accumulation over steps (else every bucket lives through
+        the whole backward), CUDA parameters, and more saved than the buckets in flight cost
+        (twice over: small models keep their whole gradients, and torch's .grad)."""
         if not self.can_shard_at_all() or expected_backwards != 1 or windowed:
+            return False
+        # On the host each step's fresh bucket storage costs page faults: 14% more step time in
+        # benchmarks/optimizer.py (CPU, 2 ranks). CUDA's caching allocator reuses the blocks.
+        if not all(p.is_cuda for p in self._params):
             return False
         whole = 4 * sum(p.numel() for p in self._params)  # bytes of fp32 gradients
         saved = whole * (1 - 1 / self._dp_size)
