@@ -137,6 +137,15 @@ def test_compile_data_parallel_parity():
 
 
 @pytest.mark.slow
+def test_compile_tp2_parity():
+    """ "compile" at tp=2 alone (pp = 1: the one stage's graph, its TP ops inside it): within 1e-4,
+    once per signature."""
+    for r in run_ranks(_compiled, 2, {"pipeline_parallel_degree": 1, "microbatches": 1}, timeout=500):
+        assert r["loss_err"] < 1e-4 and r["param_err"] < 1e-4, r
+        assert r["compiles"] == len(COMPILE_STEPS), r
+
+
+@pytest.mark.slow
 def test_compile_zero_bubble_v_parity():
     """ "compile" under zero_bubble_v at pp=2: both of a rank's stages compiled, once per signature
     each (2 stages x 2 signatures), within 1e-4 of one process."""
