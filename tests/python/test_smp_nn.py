@@ -470,6 +470,142 @@ def _gpt2_tp1(rank, world_size):
     return max((loss - want).abs().item() for loss in losses)
 
 
+def _register_gpt2_lm_head():
+    import smp
+    from smp.nn.huggingface import gpt2
+    from transformers import GPT2LMHeadModel
+
+    hooks = gpt2.get_hf_gpt2_transformer_lm_head_hooks()
+    smp.tp_register_with_module(GPT2LMHeadModel, smp.nn.DistributedTransformerLMHead, *hooks)
+    return gpt2
+
+
+def _gpt2_lm_head_tp1(rank, world_size):
+    """GPT2LMHeadModel registered with SMP's LM-head hooks: the whole model is one
+    DistributedTransformerLMHead computing HF's GPT-2 (loss with a padding mask, logits), and
+    its state translates to HF's keys and back key for key."""
+    import smp
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    dense = GPT2LMHeadModel(_gpt2_config())
+    gpt2 = _register_gpt2_lm_head()
+    with smp.tensor_parallelism():
+        model = GPT2LMHeadModel(_gpt2_config())
+    model.load_state_dict(gpt2.translate_hf_state_dict_to_smdistributed_gpt2(dense.state_dict()))
+    back = gpt2.translate_state_dict_to_hf_gpt2(model.state_dict())
+    ref = dense.state_dict()
+    ids = _ids().remainder(64)
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # right padding in the first row
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        want = dense(input_ids=ids, attention_mask=mask, labels=labels)
+        logits, want_logits = model(input_ids=ids).logits, dense(input_ids=ids).logits
+    errors = []
+    for call in ({"inputs_embeds": torch.zeros(2, SEQ, 16)}, {"token_type_ids": ids}):
+        try:
+            model(**call)
+        except ValueError as e:
+            errors.append(str(e))
+    return {
+        "type": type(model).__name__,
+        "roundtrip": set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref),
+        "loss_err": abs(got.loss.item() - want.loss.item()),
+        "logits_err": _max_err(logits, want_logits),
+        "errors": errors,
+    }
+
+
+def test_gpt2_lm_head_hooks_and_translation_at_tp1():
+    r = run_ranks(_gpt2_lm_head_tp1, 1, timeout=60)[0]
+    assert r["type"] == "DistributedTransformerLMHead" and r["roundtrip"], r
+    assert r["loss_err"] < 1e-5 and r["logits_err"] < 1e-5, r
+    assert len(r["errors"]) == 2, r
+    assert r["errors"][0].startswith("smp.nn.huggingface.gpt2: inputs_embeds is not supported by Distributed")
+    assert "token_type_ids (GPT-2 adds wte(token_type_ids))" in r["errors"][1]
+
+
+def _gpt2_lm_head_registered(config, momentum=0.0):
+    """SMP's use_distributed_transformer path: GPT2LMHeadModel as one DistributedTransformerLMHead
+    (vocabulary-parallel embedding, tied head and loss) trained in a DistributedModel against HF's
+    GPT-2; its state translated back loads into a fresh GPT2LMHeadModel."""
+    import smp
+    from smp.engine import compiled
+    from transformers import GPT2LMHeadModel
+
+    batches = [(_rows(50 + s), _rows(50 + s)) for s in range(3)]
+    torch.manual_seed(0)
+    dense = GPT2LMHeadModel(_gpt2_config())
+    whole = {k: v.clone() for k, v in dense.state_dict().items()}
+    forward = lambda m, ids, labels: m(input_ids=ids, labels=labels)  # noqa: E731
+    loss_fn = lambda out, labels: out.loss  # noqa: E731
+    ref_losses = _train_dense(dense, batches, forward, loss_fn, momentum)
+    gpt2 = _register_gpt2_lm_head()
+    smp.init(config)
+    with smp.tensor_parallelism():
+        model = GPT2LMHeadModel(_gpt2_config())
+    replaced = isinstance(model, smp.nn.DistributedTransformerLMHead)
+    smp.nn.load_full_state_dict(model, gpt2.translate_hf_state_dict_to_smdistributed_gpt2(whole))
+    compiles = compiled.compiles()
+    dmodel, opt, losses = _train_dmodel(model, batches, forward, loss_fn, momentum=momentum)
+    compiles = compiled.compiles() - compiles
+    state = gpt2.translate_state_dict_to_hf_gpt2(dmodel.state_dict())
+    trained = dense.state_dict()
+    fresh = GPT2LMHeadModel(_gpt2_config())  # outside the context: Hugging Face's own
+    fresh.load_state_dict(state)
+    ids = _rows(60)
+    with torch.no_grad():
+        logits_err = _max_err(fresh(input_ids=ids).logits, dense(input_ids=ids).logits)
+    return {
+        "replaced": replaced,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_err": max(_max_err(state[k], trained[k]) for k in trained),
+        "loaded_logits_err": logits_err,
+        "compiles": compiles,
+        "state_fraction": _optimizer_state_fraction(dmodel, opt) if momentum else None,
+    }
+
+
+# --- GPT-J, GPT-NeoX, GPT-Neo: SMP's hook names, refused with what smp.nn lacks --------------------
+
+
+@pytest.mark.parametrize(
+    "model, function, model_class, missing",
+    [
+        ("gptj", "get_hf_gptj_transformer_hooks", "GPTJForCausalLM", "rotary position embeddings"),
+        ("gptneox", "get_hf_gptneox_transformer_lm_head_hooks", "GPTNeoXForCausalLM", "parallel residual"),
+        ("gptneo", "get_hf_gptneo_transformer_lm_head_hooks", "GPTNeoForCausalLM", "local \\(windowed\\)"),
+    ],
+)
+def test_rotary_model_hooks_name_what_smp_nn_lacks(model, function, model_class, missing):
+    """SMP v1's registration line fails before registering anything, naming what DistributedTransformerLMHead
+    lacks and the graph tensor parallelism that shards the unmodified model; the translate
+    functions (HF keys kept) return the state_dict as it is, under smdistributed's name too."""
+    import importlib
+
+    import smp
+    import transformers
+    from smp.tensor_parallel import registration
+
+    ours = importlib.import_module(f"smp.nn.huggingface.{model}")
+    assert importlib.import_module(f"smdistributed.modelparallel.torch.nn.huggingface.{model}") is ours
+    hf_class = getattr(transformers, model_class)
+    with pytest.raises(
+        NotImplementedError, match=rf"{function}: .*cannot compute {model_class}: .*{missing}"
+    ) as e:
+        smp.tp_register_with_module(hf_class, smp.nn.DistributedTransformerLMHead, *getattr(ours, function)())
+    assert f"under `with smp.tensor_parallelism(): model = {model_class}(config)`" in str(e.value)
+    assert "graph tensor parallelism shards" in str(e.value)
+    assert registration.registered(hf_class) is None
+    state = {"transformer.h.0.attn.q_proj.weight": torch.ones(2)}
+    assert getattr(ours, f"translate_hf_state_dict_to_smdistributed_{model}")(state) is state
+    assert getattr(ours, f"translate_state_dict_to_hf_{model}")(state, max_seq_len=8) is state
+    assert getattr(ours, f"translate_hf_{model}_state_dict_to_smdistributed")(state, 8) is state
+
+
 # --- tp=2, two processes: every module against the dense reference ---------------------------------
 
 REL = 1e-10  # float64 throughout: the only differences are summation orders
@@ -626,17 +762,18 @@ class RegisteredBlock(PlainBlock):
 LR = 0.1
 
 
-def _train_dmodel(model, batches, forward, loss_fn, checkpoint=None):
+def _train_dmodel(model, batches, forward, loss_fn, checkpoint=None, momentum=0.0):
     """SGD steps on the DistributedModel (smp initialized); returns it, its optimizer and this
-    rank's losses."""
+    rank's losses. Each replica reads its own rows: with prescaled_batch a tensor-parallel group
+    shares them (split over the reduced-data-parallel ranks), without it every rank has its own."""
     import smp
 
     prescaled = smp.parallel_state.state().config.prescaled_batch
-    shards, shard = (1, 0) if prescaled else (smp.dp_size(), smp.dp_rank())
+    shards, shard = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(), smp.dp_rank())
     dmodel = smp.DistributedModel(model)
     if checkpoint is not None:
         smp.set_activation_checkpointing(dmodel.get_module().get_submodule(checkpoint))
-    opt = smp.DistributedOptimizer(torch.optim.SGD(dmodel.parameters(), lr=LR))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(dmodel.parameters(), lr=LR, momentum=momentum))
 
     @smp.step
     def train_step(ids, labels):
@@ -657,13 +794,25 @@ def _train_dmodel(model, batches, forward, loss_fn, checkpoint=None):
     return dmodel, opt, losses
 
 
+def _optimizer_state_fraction(dmodel, opt):
+    """This rank's optimizer state (momentum) entries over its parameters' entries: about
+    1 / rdp_size when shard_optimizer_state cuts the state over the replicas, 1 otherwise."""
+    kept = sum(
+        t.numel()
+        for entry in opt.local_state_dict()["state"].values()
+        for t in entry.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return kept / sum(p.numel() for p in dmodel.local_parameters())
+
+
 def _rows(seed):
     """A global batch of 4 distinct rows (each rank, or microbatch, gets different ones)."""
     return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _train_dense(model, batches, forward, loss_fn):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+def _train_dense(model, batches, forward, loss_fn, momentum=0.0):
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
     for ids, labels in batches:
         opt.zero_grad()
@@ -721,8 +870,12 @@ def _registered_tiny_lm(rank, world_size, folder):
     }
 
 
-def _gpt2_registered(config, checkpoint=None):
+def _gpt2_registered(config, checkpoint=None, momentum=0.0, save_to=None):
+    """GPT2Blocks registered to DistributedTransformerLayer, trained in a DistributedModel under
+    `config` against HF's GPT-2 (3 SGD steps). With `save_to`, the trained model is translated
+    back to HF's keys, written with save_pretrained and loaded into a fresh GPT2LMHeadModel."""
     import smp
+    from smp.engine import compiled
     from smp.nn.huggingface import gpt2
     from smp.tensor_parallel import registration
     from transformers import GPT2LMHeadModel
@@ -734,22 +887,61 @@ def _gpt2_registered(config, checkpoint=None):
     whole = {k: v.clone() for k, v in dense.state_dict().items()}
     forward = lambda m, ids, labels: m(input_ids=ids, labels=labels)  # noqa: E731
     loss_fn = lambda out, labels: out.loss  # noqa: E731
-    ref_losses = _train_dense(dense, batches, forward, loss_fn)
+    ref_losses = _train_dense(dense, batches, forward, loss_fn, momentum)
     hooks = gpt2.get_hf_gpt2_transformer_layer_hooks()
     if registration.registered(GPT2Block) is None:
         smp.tp_register_with_module(GPT2Block, smp.nn.DistributedTransformerLayer, *hooks)
     smp.init(config)
     with smp.tensor_parallelism():
         model = GPT2LMHeadModel(_gpt2_config())
+    replaced = all(isinstance(b, smp.nn.DistributedTransformerLayer) for b in model.transformer.h)
     smp.nn.load_full_state_dict(model, gpt2.translate_hf_state_dict_to_smdistributed_gpt2(whole))
-    dmodel, _, losses = _train_dmodel(model, batches, forward, loss_fn, checkpoint)
-    blocks = gpt2.translate_state_dict_to_hf_gpt2(dmodel.state_dict())  # gathers every shard
+    compiles = compiled.compiles()
+    dmodel, opt, losses = _train_dmodel(model, batches, forward, loss_fn, checkpoint, momentum)
+    compiles = compiled.compiles() - compiles
+    state = gpt2.translate_state_dict_to_hf_gpt2(dmodel.state_dict())  # gathers every shard
     trained = dense.state_dict()
     keys = [k for k in trained if k.startswith("transformer.h.")]
-    return {
+    out = {
+        "replaced": replaced,
         "losses": losses,
         "ref_losses": ref_losses,
-        "param_err": max(_max_err(blocks[k], trained[k]) for k in keys),
+        "param_err": max(_max_err(state[k], trained[k]) for k in keys),
+        "compiles": compiles,
+        "state_fraction": _optimizer_state_fraction(dmodel, opt) if momentum else None,
+    }
+    if save_to is not None:
+        out.update(_save_pretrained_round_trip(dmodel, state, dense, save_to))
+    return out
+
+
+def _save_pretrained_round_trip(dmodel, state, dense, folder):
+    """The trained model's HF state_dict written as a script would (save_pretrained on rank 0) and
+    loaded with from_pretrained: its logits against the distributed model's and the dense model's."""
+    import smp
+    from transformers import GPT2LMHeadModel
+
+    ids = _rows(60)
+    dmodel.eval()
+
+    @smp.step
+    def logits_step(ids):
+        return dmodel(input_ids=ids).logits
+
+    got = logits_step(ids).concat()
+    if smp.rank() == 0:
+        dmodel.get_module().save_pretrained(folder, state_dict=state)
+    smp.barrier()
+    loaded = GPT2LMHeadModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want, dense_logits = loaded(input_ids=ids).logits, dense.eval()(input_ids=ids).logits
+    loaded_state = loaded.state_dict()
+    return {
+        "loaded_keys_match": set(loaded_state) == set(dense.state_dict()),
+        "loaded_is_hf_gpt2": type(loaded.transformer.h[0]).__name__ == "GPT2Block",
+        "loaded_vs_distributed": _max_err(want, got),
+        "loaded_vs_dense": _max_err(want, dense_logits),
+        "loaded_params_vs_dense": max(_max_err(v, dense.state_dict()[k]) for k, v in loaded_state.items()),
     }
 
 
@@ -792,7 +984,8 @@ def _distributed_model_cases(rank, world_size, folder):
 
     tiny = _registered_tiny_lm(rank, world_size, folder)
     smp.parallel_state.reset()
-    gpt2_tp = _gpt2_registered({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    # Trained at tp=2, translated back and written with save_pretrained: HF loads it.
+    gpt2_tp = _gpt2_registered({"tensor_parallel_degree": 2, "prescaled_batch": True}, save_to=f"{folder}/hf")
     smp.parallel_state.reset()
     # Two pipeline stages with the blocks as DistributedTransformerLayers, the first one recomputed.
     pipeline = {"pipeline_parallel_degree": 2, "microbatches": 2}
@@ -801,28 +994,124 @@ def _distributed_model_cases(rank, world_size, folder):
     bert = _bert_registered(rank, world_size)
     smp.parallel_state.reset()
     gpt2_bf16 = _gpt2_registered({"tensor_parallel_degree": 2, "prescaled_batch": True, "bf16": True})
-    return tiny, gpt2_tp, gpt2_pp, bert, gpt2_bf16
+    smp.parallel_state.reset()
+    # Last: GPT2LMHeadModel stays registered in this process from here on.
+    gpt2_lm_head = _gpt2_lm_head_registered({"tensor_parallel_degree": 2, "prescaled_batch": True})
+    return tiny, gpt2_tp, gpt2_pp, bert, gpt2_bf16, gpt2_lm_head
 
 
 def test_registered_modules_train_like_the_dense_model(tmp_path):
     results = run_ranks(_distributed_model_cases, 2, str(tmp_path), timeout=100)
     # Without prescaled_batch each rank's loss covers its own rows: their mean is the global loss.
     mean_losses = [sum(r[0]["losses"][i] for r in results) / len(results) for i in range(3)]
-    for tiny, gpt2_tp, gpt2_pp, bert, gpt2_bf16 in results:
+    for tiny, gpt2_tp, gpt2_pp, bert, gpt2_bf16, gpt2_lm_head in results:
         tiny = tiny | {"losses": mean_losses}
         assert tiny["replaced"]
         assert tiny["emb_shape"] == (VOCAB, H // 2) and tiny["emb_distributed"]
         assert tiny["state_dict_whole"] and tiny["reloaded"]
         assert tiny["checkpoints"] == {False: 0.0, True: 0.0}, tiny["checkpoints"]
-        for case in (tiny, gpt2_tp, gpt2_pp, bert):
+        assert gpt2_lm_head["replaced"] and gpt2_lm_head["loaded_logits_err"] < 1e-5, gpt2_lm_head
+        for case in (tiny, gpt2_tp, gpt2_pp, bert, gpt2_lm_head):
             pairs = zip(case["losses"], case["ref_losses"], strict=True)
             assert max(abs(a - b) / b for a, b in pairs) < 1e-5, case
             assert case["param_err"] < 1e-5, case
             assert case["ref_losses"][-1] < case["ref_losses"][0]
+        # save_pretrained of the translated state: a fresh HF GPT-2 loads it and computes the
+        # distributed model's logits (summation order apart) and the dense model's.
+        assert gpt2_tp["loaded_keys_match"] and gpt2_tp["loaded_is_hf_gpt2"], gpt2_tp
+        assert gpt2_tp["loaded_vs_distributed"] < 1e-5 and gpt2_tp["loaded_vs_dense"] < 1e-5, gpt2_tp
+        assert gpt2_tp["loaded_params_vs_dense"] < 1e-5, gpt2_tp
         # bf16 (smp's mixed precision) against the fp32 model: bf16's rounding, not more.
         pairs = zip(gpt2_bf16["losses"], gpt2_bf16["ref_losses"], strict=True)
         assert max(abs(a - b) / b for a, b in pairs) < 2e-2, gpt2_bf16
         assert gpt2_bf16["param_err"] < 2e-2, gpt2_bf16
+
+
+# --- tp=2 x rdp=2, four processes: sharded optimizer state and torch.compile ----------------------
+
+MOMENTUM = 0.9  # SGD with momentum: optimizer state for shard_optimizer_state to cut over replicas
+
+
+def _lm_head_module(config):
+    """SMP's DistributedTransformerLMHead (vocabulary-parallel embedding, tied head and loss) as the
+    whole model of a DistributedModel, against the dense reference: 3 SGD steps."""
+    import smp
+
+    build, build_ref, _ = _cases()["lm_head"]
+    batches = [(_rows(80 + s), _rows(90 + s)) for s in range(3)]
+    forward = lambda m, ids, labels: m((ids, None, None, None, labels))  # noqa: E731
+    loss_fn = lambda out, labels: out  # noqa: E731  (the module returns the loss)
+    torch.manual_seed(0)
+    ref = build_ref()
+    whole = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_losses = _train_dense(ref, batches, forward, loss_fn, MOMENTUM)
+    smp.init(config)
+    module = build()
+    smp.nn.load_full_state_dict(module, whole)
+    dmodel, opt, losses = _train_dmodel(module, batches, forward, loss_fn, momentum=MOMENTUM)
+    state, trained = dmodel.state_dict(), ref.state_dict()
+    return {
+        "state_fraction": _optimizer_state_fraction(dmodel, opt),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "keys_match": set(state) == set(trained),
+        "param_err": max(_max_err(state[k], trained[k]) for k in trained),
+    }
+
+
+def _sharded_and_compiled(rank, world_size):
+    import smp
+
+    tp_rdp = {"tensor_parallel_degree": 2, "prescaled_batch": True}  # 2 replicas of a TP pair
+    sharded = {"shard_optimizer_state": True}
+    pp_tp = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
+    cases = {
+        "gpt2_sharded": lambda: _gpt2_registered(tp_rdp | sharded, momentum=MOMENTUM),
+        "lm_head_sharded": lambda: _lm_head_module(tp_rdp | sharded),
+        # smp compiles the stage graph, distributed modules' ops included: at pp=1 ...
+        "gpt2_compiled": lambda: _gpt2_registered(tp_rdp | sharded | {"compile": True}, momentum=MOMENTUM),
+        # ... and on each of two pipeline stages, the first block recomputed.
+        "gpt2_compiled_pp2": lambda: _gpt2_registered(
+            pp_tp | {"prescaled_batch": True, "compile": True}, "transformer.h.0", MOMENTUM
+        ),
+        # Last (GPT2LMHeadModel stays registered): the whole GPT-2 as one DistributedTransformerLMHead,
+        # its hooks in the compiled graph.
+        "gpt2_lm_head": lambda: _gpt2_lm_head_registered(tp_rdp | sharded | {"compile": True}, MOMENTUM),
+    }
+    results = {}
+    for name, run in cases.items():
+        results[name] = run()
+        smp.parallel_state.reset()
+    return results
+
+
+@pytest.mark.slow
+def test_registered_modules_with_sharded_optimizer_state_and_compile():
+    """tp=2 x rdp=2 with shard_optimizer_state (momentum kept in each replica's chunk), and
+    "compile": true at pp=1 and pp=2 x tp=2, each against the dense model trained in one process."""
+    results = run_ranks(_sharded_and_compiled, 4, timeout=500)
+    for name in results[0]:
+        # Each replica's loss covers its own rows (ranks of a TP pair agree): the mean is the global loss.
+        losses = [sum(r[name]["losses"][i] for r in results) / len(results) for i in range(3)]
+        tol = 1e-4 if "compiled" in name or name == "gpt2_lm_head" else 1e-5  # inductor reorders sums
+        for r in results:
+            case = r[name] | {"losses": losses}
+            pairs = zip(case["losses"], case["ref_losses"], strict=True)
+            assert max(abs(a - b) / b for a, b in pairs) < tol, (name, case)
+            assert case["param_err"] < tol, (name, case)
+            assert case["ref_losses"][-1] < case["ref_losses"][0], (name, case)
+            assert case.get("replaced", True) and case.get("keys_match", True), (name, case)
+        if name != "gpt2_compiled_pp2":  # tp=2 x rdp=2: the two replicas read different rows
+            assert results[0][name]["losses"] != results[2][name]["losses"], name
+    for r in results:
+        # Each replica keeps half of the momentum (its chunk of the flat buffer, padding apart).
+        for name in ("gpt2_sharded", "lm_head_sharded", "gpt2_compiled", "gpt2_lm_head"):
+            assert 0.45 < r[name]["state_fraction"] < 0.55, (name, r[name]["state_fraction"])
+        assert r["gpt2_compiled_pp2"]["state_fraction"] == 1.0, r["gpt2_compiled_pp2"]  # rdp=1: whole
+        # One stage graph compiled per rank (one signature); none without "compile".
+        assert r["gpt2_sharded"]["compiles"] == 0, r["gpt2_sharded"]
+        assert r["gpt2_compiled"]["compiles"] == 1 and r["gpt2_compiled_pp2"]["compiles"] == 1, r
+        assert r["gpt2_lm_head"]["compiles"] == 1 and r["gpt2_lm_head"]["loaded_logits_err"] < 1e-4, r
 
 
 # --- BERT and RoBERTa: SMP's layer and encoder hooks -----------------------------------------------

@@ -6,8 +6,9 @@ Registering installs a `__new__` on the class: built inside `smp.tensor_parallel
 (Python then skips the class's own `__init__`), made from `init_hook(*args, **kwargs)`; outside
 the context, or with `enabled=False`, the class builds itself as before. Only the outermost
 registered module is replaced: classes built while a distributed module is being built stay as
-they are. `forward_hook` (a forward pre-hook) maps the original call's arguments to the
-distributed module's, `return_hook` (a forward hook) its result back. The context's keyword
+they are. `forward_hook` maps the original call's arguments to the distributed module's,
+`return_hook` its result back, both inside the forward of a subclass of the distributed module
+(same name) made once per registration. The context's keyword
 arguments override the init_hook's where the distributed module's `__init__` takes them.
 """
 
@@ -178,16 +179,32 @@ def _build(registration: Registration, args: tuple, kwargs: dict, overrides: dic
     accepted = inspect.signature(registration.dist_module.__init__).parameters
     kwargs = {**kwargs, **{k: v for k, v in overrides.items() if k in accepted}}
     with distributing(False, {}):  # only the outermost registered module is replaced
-        module = registration.dist_module(*args, **kwargs)
-    if registration.forward_hook is not None:
-        hook = registration.forward_hook
-
-        def pre_hook(module, call_args, call_kwargs):
-            return _split("forward_hook", registration, hook(*call_args, **call_kwargs))
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    if registration.return_hook is not None:
-        back = registration.return_hook
-        module.register_forward_hook(lambda module, call_args, output: back(output))
+        module = _adapted(registration)(*args, **kwargs)
     module.smp_replaces = registration.module_cls.__qualname__  # what was built in its place
     return module
+
+
+_adapters: dict[type, type] = {}
+
+
+def _adapted(registration: Registration) -> type:
+    """The distributed module's class, or with hooks a subclass of it (same name) whose forward
+    takes the original call and returns what the original returns: forward_hook, the
+    distributed forward, return_hook. In forward itself, not as module hooks, so that a replaced
+    model's root (GPT2LMHeadModel as DistributedTransformerLMHead) is captured (torch.export
+    binds the call to forward's signature) and compiled with its hooks."""
+    dist, before, after = registration.dist_module, registration.forward_hook, registration.return_hook
+    if before is None and after is None:
+        return dist
+    key = registration.module_cls
+    if key not in _adapters:
+
+        def forward(self, *args, **kwargs):
+            if before is not None:
+                args, kwargs = _split("forward_hook", registration, before(*args, **kwargs))
+            out = dist.forward(self, *args, **kwargs)
+            return out if after is None else after(out)
+
+        names = {"__module__": dist.__module__, "__qualname__": dist.__qualname__, "forward": forward}
+        _adapters[key] = type(dist.__name__, (dist,), names)
+    return _adapters[key]

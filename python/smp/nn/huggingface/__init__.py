@@ -3,10 +3,12 @@
 SMP v1 replaced Hugging Face layers by its own distributed transformer classes, whose
 state_dict keys differed, and shipped hooks for registering them and functions that renamed
 keys both ways. `gpt2`, `bert` and `roberta` (gpt2.py, bert.py, roberta.py) have SMP's hooks for
-their blocks and real translate functions (see there). For the other models smp's graph tensor
-parallelism shards the model's own layers and keeps the module's keys, so their translate
-functions return the state_dict they are given (`max_seq_len` and other SMP arguments are
-accepted). The submodules gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the
+their blocks and real translate functions (see there). `gptj`, `gptneox` and `gptneo` have SMP's
+hook functions, which raise a NotImplementedError naming what smp.nn's layers lack (rotary
+embeddings, parallel residuals, local attention: graph_only.py), and translate functions that
+return the state_dict they are given, as for the other models: smp's graph tensor parallelism
+shards the model's own layers and keeps the module's keys (`max_seq_len` and other SMP arguments
+are accepted). The submodules gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the
 names SMP's did, so `from smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2` (and
 the same under `smdistributed.modelparallel.torch`) works unchanged.
 """
@@ -15,14 +17,10 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
+
+from smp.nn.huggingface.graph_only import identity_translation
 
 MODELS = ("gpt2", "gptj", "gptneo", "gptneox", "bert", "roberta", "t5", "vit")
-
-
-def identity_translation(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Returns `state_dict`: smp's state_dicts already use the Hugging Face module's keys."""
-    return state_dict
 
 
 def _translate_names(model: str) -> list[str]:
@@ -49,10 +47,12 @@ def _submodule(model: str) -> types.ModuleType:
     return module
 
 
+_REAL = ("gpt2", "gptj", "gptneo", "gptneox", "bert", "roberta")  # modules of their own
+
 for _model in MODELS:
-    if _model not in ("gpt2", "bert", "roberta"):  # those are real modules
+    if _model not in _REAL:
         globals()[_model] = sys.modules[f"{__name__}.{_model}"] = _submodule(_model)
 
-from smp.nn.huggingface import bert, gpt2, roberta  # noqa: E402, F401  (real modules, in MODELS)
+from smp.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox, roberta  # noqa: E402, F401  (in MODELS)
 
 __all__ = ["MODELS", "identity_translation", *MODELS]

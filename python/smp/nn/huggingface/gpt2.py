@@ -22,6 +22,7 @@ is registered to a distributed module, `translate_state_dict_to_hf_gpt2` only bl
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -41,14 +42,16 @@ _QKV = ("query", "key", "value")
 _HF_BUFFERS = ("attn.bias", "attn.masked_bias")  # older transformers' causal-mask buffers
 
 
-def _unsupported(what: str, fix: str) -> ValueError:
-    return ValueError(
-        f"smp.nn.huggingface.gpt2: {what} is not supported by DistributedTransformerLayer; {fix}"
-    )
+def _unsupported(what: str, fix: str, module: str = "DistributedTransformerLayer") -> ValueError:
+    return ValueError(f"smp.nn.huggingface.gpt2: {what} is not supported by {module}; {fix}")
 
 
 def init_hook(config, layer_idx=None):
     """GPT2Block(config, layer_idx) -> DistributedTransformerLayer's arguments."""
+    return (), _layer_kwargs(config)
+
+
+def _layer_kwargs(config) -> dict[str, Any]:
     if config.add_cross_attention:
         raise _unsupported("add_cross_attention=True", "keep GPT2Block unregistered (graph TP shards it)")
     if (
@@ -64,7 +67,7 @@ def init_hook(config, layer_idx=None):
         raise _unsupported(
             f"activation_function={config.activation_function!r}", f"use one of {sorted(ACTIVATIONS)}"
         )
-    return (), {
+    return {
         "num_attention_heads": config.n_head,
         "attention_head_size": config.n_embd // config.n_head,
         "hidden_size": config.n_embd,
@@ -109,6 +112,90 @@ def return_hook(output):
 def get_hf_gpt2_transformer_layer_hooks():
     """(init_hook, forward_hook, return_hook) for registering GPT2Block."""
     return init_hook, forward_hook, return_hook
+
+
+# --- the whole model: GPT2LMHeadModel -> DistributedTransformerLMHead ------------------------
+
+
+_LM_HEAD = "DistributedTransformerLMHead"
+
+
+def lm_head_init_hook(config):
+    """GPT2LMHeadModel(config) -> DistributedTransformerLMHead's arguments (SMP's
+    `use_distributed_transformer`: the embeddings, every block, ln_f and the tied head)."""
+    if not config.tie_word_embeddings:
+        raise _unsupported(
+            "tie_word_embeddings=False",
+            "its head is the word embedding: tie them, or register GPT2Block instead",
+            _LM_HEAD,
+        )
+    if config.embd_pdrop != config.resid_pdrop:
+        raise _unsupported(
+            f"embd_pdrop={config.embd_pdrop} != resid_pdrop={config.resid_pdrop}",
+            "its embeddings are dropped with hidden_dropout_prob: make them equal, or register GPT2Block",
+            _LM_HEAD,
+        )
+    layer = _layer_kwargs(config)
+    del layer["add_cross_attention"]
+    return (), {
+        **layer,
+        "num_layers": config.n_layer,
+        "vocab_size": config.vocab_size,
+        "num_positions": config.n_positions,
+        "num_token_types": 0,
+        "add_lm_head": True,
+    }
+
+
+def lm_head_forward_hook(*args, **kwargs):
+    """GPT2LMHeadModel's call -> ((input_ids, attention_mask, None, position_ids, labels),), {}:
+    HF's mask (1 = attend) becomes SMP's (1 = masked), and labels are shifted by one position, as
+    GPT-2 compares logits[:, :-1] with labels[:, 1:] (the last position ignored, -100)."""
+    from transformers import GPT2LMHeadModel
+
+    call = inspect.signature(GPT2LMHeadModel.forward).bind(None, *args, **kwargs).arguments
+    extra = call.pop("kwargs", {})
+    cache = call.get("cache", call.get("past_key_values"))
+    refused = {
+        "inputs_embeds": call.get("inputs_embeds") is not None,
+        "token_type_ids (GPT-2 adds wte(token_type_ids))": call.get("token_type_ids") is not None,
+        "encoder_hidden_states (cross attention)": call.get("encoder_hidden_states") is not None,
+        "a key/value cache holding earlier tokens": cache is not None and cache.get_seq_length() > 0,
+        "logits_to_keep": not isinstance(call.get("logits_to_keep", 0), int) or call.get("logits_to_keep"),
+        "output_attentions / output_hidden_states": bool(
+            extra.get("output_attentions") or extra.get("output_hidden_states")
+        ),
+        "return_dict=False": extra.get("return_dict") is False,
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise _unsupported(
+                what, "call the model with input_ids, attention_mask, position_ids and labels", _LM_HEAD
+            )
+    input_ids, mask, labels = call.get("input_ids"), call.get("attention_mask"), call.get("labels")
+    if mask is not None:
+        mask = (mask == 0).to(torch.long)  # SMP's convention: 1 = masked
+    if labels is not None:
+        ignored = torch.full_like(labels[..., :1], -100)
+        labels = torch.cat([labels[..., 1:], ignored], dim=-1)
+    return ((input_ids, mask, None, call.get("position_ids"), labels),), {}
+
+
+def lm_head_return_hook(output):
+    """The loss (given labels) or the logits -> transformers' CausalLMOutputWithCrossAttentions.
+    With labels the loss is the vocabulary-parallel cross entropy and logits are None (they are
+    never gathered)."""
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    if output.dim() == 0:
+        return CausalLMOutputWithCrossAttentions(loss=output)
+    return CausalLMOutputWithCrossAttentions(logits=output)
+
+
+def get_hf_gpt2_transformer_lm_head_hooks():
+    """(init_hook, forward_hook, return_hook) for registering GPT2LMHeadModel to
+    DistributedTransformerLMHead."""
+    return lm_head_init_hook, lm_head_forward_hook, lm_head_return_hook
 
 
 # --- state_dict translation -------------------------------------------------------
@@ -168,22 +255,50 @@ def _block_prefixes(state_dict: dict[str, Any], mark: str) -> list[str]:
     ]
 
 
+# GPT2LMHeadModel's own keys <-> DistributedTransformerLMHead's (blocks: h.<i> <-> seq_layers.<i>).
+_LM_HEAD_KEYS = {
+    "transformer.wte.weight": "word_embedding.weight",
+    "transformer.wpe.weight": "position_embedding.weight",
+    "transformer.ln_f.weight": "layernorm.weight",
+    "transformer.ln_f.bias": "layernorm.bias",
+}
+_HF_BLOCKS, _SMP_BLOCKS = "transformer.h.", "transformer.seq_layers."
+_HF_HEAD = "lm_head.weight"  # tied to the word embedding: not a separate tensor in smp.nn
+
+
 def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: dict[str, Any], *args: Any, **kwargs: Any):
-    """A Hugging Face GPT-2 state_dict -> the keys of a model whose GPT2Blocks were built as
-    DistributedTransformerLayers (only while GPT2Block is registered; otherwise `state_dict`)."""
+    """A Hugging Face GPT-2 state_dict -> the keys of the model built with GPT-2's classes
+    registered: DistributedTransformerLMHead's while GPT2LMHeadModel is registered, blocks in
+    DistributedTransformerLayer's while GPT2Block is; otherwise `state_dict` itself."""
+    from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    if registration.registered(GPT2Block) is None:
+    whole = registration.registered(GPT2LMHeadModel) is not None
+    if not whole and registration.registered(GPT2Block) is None:
         return state_dict  # graph TP keeps GPT2Block and its keys
-    prefixes = _block_prefixes(state_dict, _HF_MARK)
-    for prefix in prefixes:
+    for prefix in _block_prefixes(state_dict, _HF_MARK):
         state_dict = translate_hf_state_dict_to_smdistributed_gpt2_layer(state_dict, prefix)
+    if whole:
+        state_dict = {
+            _LM_HEAD_KEYS.get(k, _SMP_BLOCKS + k[len(_HF_BLOCKS) :] if k.startswith(_HF_BLOCKS) else k): v
+            for k, v in state_dict.items()
+            if k != _HF_HEAD
+        }
     return state_dict
 
 
 def translate_state_dict_to_hf_gpt2(state_dict: dict[str, Any], *args: Any, **kwargs: Any):
-    """Blocks in DistributedTransformerLayer's keys -> GPT2Block's; a state_dict with none comes
-    back as the same dict (`max_seq_len` and SMP's other arguments are accepted)."""
+    """Blocks in DistributedTransformerLayer's keys -> GPT2Block's, and a whole
+    DistributedTransformerLMHead's state -> GPT2LMHeadModel's (its tied `lm_head.weight`
+    included); a state_dict with neither comes back as the same dict (`max_seq_len` and SMP's
+    other arguments are accepted)."""
+    reverse = {v: k for k, v in _LM_HEAD_KEYS.items()}
+    if "word_embedding.weight" in state_dict:
+        state_dict = {
+            reverse.get(k, _HF_BLOCKS + k[len(_SMP_BLOCKS) :] if k.startswith(_SMP_BLOCKS) else k): v
+            for k, v in state_dict.items()
+        }
+        state_dict[_HF_HEAD] = state_dict["transformer.wte.weight"]
     for prefix in _block_prefixes(state_dict, _SMP_MARK):
         state_dict = translate_state_dict_to_hf_gpt2_layer(state_dict, prefix)
     return state_dict
@@ -192,7 +307,11 @@ def translate_state_dict_to_hf_gpt2(state_dict: dict[str, Any], *args: Any, **kw
 __all__ = [
     "forward_hook",
     "get_hf_gpt2_transformer_layer_hooks",
+    "get_hf_gpt2_transformer_lm_head_hooks",
     "init_hook",
+    "lm_head_forward_hook",
+    "lm_head_init_hook",
+    "lm_head_return_hook",
     "return_hook",
     "translate_hf_state_dict_to_smdistributed_gpt2",
     "translate_hf_state_dict_to_smdistributed_gpt2_layer",
