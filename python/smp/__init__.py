@@ -38,6 +38,8 @@ from smp.parallel_state import (
     get_pp_process_group,
     get_rdp_group,
     get_rdp_process_group,
+    get_sdp_group,
+    get_sdp_process_group,
     get_tp_group,
     get_tp_process_group,
     get_world_process_group,
@@ -53,6 +55,8 @@ from smp.parallel_state import (
     rank,
     rdp_rank,
     rdp_size,
+    sdp_rank,
+    sdp_size,
     size,
     tp_rank,
     tp_size,
@@ -75,12 +79,14 @@ TP_GROUP = CommGroup.TP_GROUP
 DP_GROUP = CommGroup.DP_GROUP
 RDP_GROUP = CommGroup.RDP_GROUP
 MP_GROUP = CommGroup.MP_GROUP
+SDP_GROUP = CommGroup.SDP_GROUP
 WORLD_RANK = RankType.WORLD_RANK
 MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
 PP_RANK = RankType.PP_RANK
 TP_RANK = RankType.TP_RANK
 RDP_RANK = RankType.RDP_RANK
+SDP_RANK = RankType.SDP_RANK
 
 __all__ = [
     "delay_param_initialization",
@@ -96,6 +102,8 @@ __all__ = [
     "TP_RANK",
     "RDP_RANK",
     "RDP_GROUP",
+    "SDP_GROUP",
+    "SDP_RANK",
     "TP_GROUP",
     "WORLD",
     "WORLD_RANK",
@@ -151,6 +159,10 @@ __all__ = [
     "rdp_barrier",
     "rdp_rank",
     "rdp_size",
+    "sdp_rank",
+    "sdp_size",
+    "get_sdp_group",
+    "get_sdp_process_group",
     "recv_from",
     "sampler",
     "send",

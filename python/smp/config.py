@@ -36,7 +36,6 @@ PLACEMENT_ALIASES = {"cluster": "DPT", "spread": "TPD"}
 PLACEMENT_ORDERS = tuple("".join(p) for p in itertools.permutations("DPT"))
 
 _PLUMBING = "configured SMP v1's plumbing (SageMaker, Horovod)"
-_SDP = "tunes sharded data parallelism (sharded_data_parallel_degree > 1), which smp does not support yet"
 # SMP v1 keys that real scripts pass and that change nothing in smp: accepted, with a
 # warning that says why. key -> a predicate of the key, why it has no effect.
 LEGACY_NO_OP_KEYS = {
@@ -56,11 +55,13 @@ LEGACY_NO_OP_KEYS = {
     "_fp32_grad_accumulation": "asked for fp32 gradient accumulation, which smp always does under bf16/fp16",
     "fp16_params": "asked for fp16 distributed parameters; smp's parameter dtype follows 'fp16' / "
     "'bf16' (set 'fp16': true)",
-    "sdp_hierarchical_allgather": _SDP,
-    "sdp_gradient_clipping": _SDP,
-    "sdp_reduce_bucket_size": _SDP,
-    "sdp_param_persistence_threshold": _SDP,
-    "sdp_max_live_parameters": _SDP,
+}
+# sdp_* keys FSDP2 has no counterpart for: given with sharded_data_parallel_degree > 1, they warn.
+SDP_UNMAPPED = {
+    "sdp_reduce_bucket_size": "FSDP2 reduce-scatters each sharded unit's (layer's) gradients as one "
+    "collective, so the unit is the bucket; there is no bucket size to set",
+    "sdp_hierarchical_allgather": "FSDP2 all-gathers each unit over the sdp group in one collective "
+    "(NCCL picks its own algorithm across nodes); there is no two-level all-gather to turn on",
 }
 ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
 # Keys whose null means "SMP's default" (SMP's own config had default_partition: None).
@@ -95,6 +96,15 @@ class Config:
     tensor_parallel_seed: int = 0
     skip_tracing: bool = False
     sharded_data_parallel_degree: int = 1
+    # Sharded data parallelism's knobs (SMP v1's names and defaults; smp.sharded_data says what
+    # each maps to in FSDP2): parameters of a unit under the threshold stay gathered from
+    # forward to backward; at most this many parameters gathered at once (prefetch depth);
+    # global gradient clipping at this L2 norm, always on under sdp as in SMP v1 (<= 0: off).
+    sdp_reduce_bucket_size: int = 500_000_000
+    sdp_param_persistence_threshold: int = 1_000_000
+    sdp_max_live_parameters: int = 1_000_000_000
+    sdp_hierarchical_allgather: bool = True
+    sdp_gradient_clipping: float = 1.0
     # smp additions (not in SMP v1):
     # SMP's behaviour: every user of a shared parameter on one stage (else it is replicated).
     colocate_shared_parameters: bool = False
@@ -155,6 +165,14 @@ class Config:
                 f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
                 f"({pp}) x tensor_parallel_degree ({tp}) = {pp * tp}; launch a multiple of {pp * tp} "
                 "processes or change the degrees"
+            )
+        sdp, dp = self.sharded_data_parallel_degree, world_size // (pp * tp)
+        if dp % sdp:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(
+                f"smp config: sharded_data_parallel_degree={sdp} does not divide the data-parallel "
+                f"degree {dp} (world size {world_size} / (pipeline_parallel_degree {pp} x "
+                f"tensor_parallel_degree {tp})); set it to one of {divisors}"
             )
         if local_size is not None and tp > local_size:
             warnings.warn(
@@ -220,7 +238,9 @@ def parse(config: Mapping[str, Any] | None = None) -> Config:
     if "timeline" not in merged and os.environ.get(TIMELINE_VAR):
         merged["timeline"] = {"path": os.environ[TIMELINE_VAR]}
     values = {name: _check_value(name, value) for name, value in merged.items()}
-    return _check_combination(Config(**values))
+    config = _check_combination(Config(**values))
+    warn_unmapped_sdp_keys(merged, config)
+    return config
 
 
 def _normalized(source: dict[str, Any], where: str) -> dict[str, Any]:
@@ -264,6 +284,15 @@ def _check_value(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise type_error(name, value, "true or false")
         return value
+    if name in ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters"):
+        # SMP v1 scripts write them as int(5e8) or 5e8
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+            raise type_error(name, value, "a non-negative whole number of elements, e.g. 500000000")
+        return int(value)
+    if name == "sdp_gradient_clipping":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise type_error(name, value, "a number (the L2 norm to clip to; <= 0: no clipping)")
+        return float(value)
     if name == "memory_weight":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise type_error(name, value, "a number in [0, 1]")
@@ -327,10 +356,7 @@ def _check_combination(config: Config) -> Config:
             f"{counted}) = [0, {stages}); set it to a stage index below {stages}"
         )
     if config.sharded_data_parallel_degree != 1:
-        raise ValueError(
-            f"smp config: sharded_data_parallel_degree={config.sharded_data_parallel_degree} is not "
-            "supported; use shard_optimizer_state=True to shard optimizer state across data-parallel ranks"
-        )
+        _check_sdp(config)
     if tp & (tp - 1):
         warnings.warn(
             f"smp config: tensor_parallel_degree={tp} is not a power of two; SMP recommends 2, 4 or 8 "
@@ -338,3 +364,42 @@ def _check_combination(config: Config) -> Config:
             stacklevel=3,
         )
     return config
+
+
+def _check_sdp(config: Config) -> None:
+    """Sharded data parallelism (smp.sharded_data, on FSDP2) with what it cannot serve: each a
+    clear error naming the fix."""
+    sdp = config.sharded_data_parallel_degree
+    head = f"smp config: sharded_data_parallel_degree={sdp}"
+    if config.shard_optimizer_state:
+        raise ValueError(
+            f"{head} already shards the optimizer state (with the parameters and gradients); "
+            "shard_optimizer_state=True is its ZeRO-1 alternative: set only one of them"
+        )
+    if config.pipeline_parallel_degree > 1 or config.tensor_parallel_degree > 1:
+        raise ValueError(
+            f"{head} with pipeline_parallel_degree={config.pipeline_parallel_degree} and "
+            f"tensor_parallel_degree={config.tensor_parallel_degree}: smp's sharded data parallelism "
+            "runs the model whole on each rank (pipeline and tensor parallel degree 1). For a model "
+            "whose layers do not fit one GPU use tensor or pipeline parallelism with "
+            "shard_optimizer_state=True instead"
+        )
+    if config.fp16:
+        raise ValueError(
+            f"{head} with fp16: FSDP2's mixed precision has no loss scaler here; use bf16=True "
+            "(bf16 compute, fp32 parameters and gradient reduction)"
+        )
+    if config.compile is not None:
+        raise ValueError(
+            f"{head} with compile: smp does not compile a sharded model yet (FSDP2's hooks sit "
+            "between the layers); remove 'compile' or set sharded_data_parallel_degree=1"
+        )
+
+
+def warn_unmapped_sdp_keys(given: Mapping[str, Any], config: Config) -> None:
+    """The sdp_* keys a script set that FSDP2 cannot honour (only when sdp is on)."""
+    if config.sharded_data_parallel_degree == 1:
+        return
+    for key, why in SDP_UNMAPPED.items():
+        if key in given and not (key == "sdp_hierarchical_allgather" and given[key] is False):
+            warnings.warn(f"smp config: '{key}' has no effect: {why}", stacklevel=4)

@@ -30,6 +30,12 @@ class ParallelGroups:
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     rdp_ranks: tuple[int, ...]
+    # Sharded data parallelism: the ranks a parameter is sharded over, and the ranks holding the
+    # same shard in the other sdp groups of the reduced-data-parallel group (None: not made).
+    sdp: dist.ProcessGroup | None = None
+    sdp_replica: dist.ProcessGroup | None = None
+    sdp_ranks: tuple[int, ...] = ()
+    sdp_replica_ranks: tuple[int, ...] = ()
 
     @property
     def pp_size(self) -> int:
@@ -42,3 +48,7 @@ class ParallelGroups:
     @property
     def rdp_size(self) -> int:
         return len(self.rdp_ranks)
+
+    @property
+    def sdp_size(self) -> int:
+        return len(self.sdp_ranks) or 1

@@ -185,8 +185,9 @@ class DistributedModel(nn.Module):
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The full model's state_dict (original keys, full shapes). With pipeline stages or
         tensor-parallel layers it is a collective over the pipeline and tensor-parallel groups:
-        call it on every rank (or on every rank with rdp_rank() == 0)."""
-        if not self.engine.captures or not self.partitioned:
+        call it on every rank (or on every rank with rdp_rank() == 0). Under sharded data parallelism
+        it gathers the shards over the sdp group: call it on every rank."""
+        if self.engine.holds_whole_state:
             return self.module.state_dict(*args, **kwargs)
         return self.engine.state.full()
 
@@ -203,7 +204,7 @@ class DistributedModel(nn.Module):
                 )
                 return None
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        if not self.partitioned or not self.engine.captures:
+        if self.engine.holds_whole_state:
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine.state.load(state_dict, strict)
         return None
@@ -237,6 +238,8 @@ class DistributedModel(nn.Module):
         if optimizer is not None:
             return optimizer.clip_master_grads(max_norm, norm_type)
         grad_norm.check_norm_type(norm_type, "clip_grad_norm_")
+        if self.engine.sharded_data is not None:
+            return self.engine.sharded_data.clip_grad_norm(max_norm, norm_type)
         first_replica = self.engine.groups.rdp_rank == 0
         return grad_norm.clip_whole(
             self.module.parameters(), self.engine.counts_in_norm, max_norm, first_replica

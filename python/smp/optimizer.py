@@ -126,6 +126,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._scaler.update(True)
             self.zero_grad()
             return None
+        if self._engine.sharded_data is not None:
+            self._engine.sharded_data.clip_before_step()  # SMP v1's sdp_gradient_clipping
         result = self.optimizer.step(closure)
         if self._flat is not None:
             self._flat.publish()
@@ -144,6 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         returns that norm. A collective: call it on every rank."""
         grad_norm.check_norm_type(norm_type, "clip_master_grads")
         self._localize()
+        if self._engine.sharded_data is not None:  # the sharded gradients: FSDP2's, fp32
+            return self._engine.sharded_data.clip_grad_norm(max_norm, norm_type)
         counts = self._engine.counts_in_norm
         first_replica = self._engine.groups.rdp_rank == 0
         if self._flat is not None:
@@ -318,7 +322,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if not param_facts.is_nonlocal(p)]
         cfg, groups = self._engine.config, self._engine.groups
-        if cfg.shard_optimizer_state or cfg.bf16 or cfg.fp16:
+        # (under sharded data parallelism the parameters are fp32 shards already: no flat state)
+        if (cfg.shard_optimizer_state or cfg.bf16 or cfg.fp16) and self._engine.sharded_data is None:
             self._engine.fix_trained_parameters()  # the flat state holds those requiring grad now
             for group in self.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p.requires_grad]

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,7 +94,11 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
     # The GPU, and NCCL's settings when processes share one, before any NCCL communicator exists.
     devices.place(local_rank, local_size)
     topology = Topology(
-        world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_order
+        world_size,
+        cfg.pipeline_parallel_degree,
+        cfg.tensor_parallel_degree,
+        cfg.placement_order,
+        cfg.sharded_data_parallel_degree,
     )
     kept = _kept.pop((topology, group_timeout), None)
     groups, messaging = kept if kept is not None else _create_groups(topology, rank, group_timeout)
@@ -116,9 +121,12 @@ def _identity(topology: Topology, rank: int, cfg: config_lib.Config) -> dict[str
 
 def _create_groups(topology: Topology, rank: int, timeout: datetime.timedelta):
     groups = {CommGroup.WORLD: dist.group.WORLD}
+    made: dict[str, CommGroup] = {}  # a kind whose groups equal an earlier kind's shares them
     for kind in CommGroup:
-        if kind is not CommGroup.WORLD:
-            groups[kind] = _new_groups(topology, kind, rank, timeout)
+        if kind is CommGroup.WORLD:
+            continue
+        same = made.setdefault(repr(topology.all_groups(kind)), kind)
+        groups[kind] = groups[same] if same is not kind else _new_groups(topology, kind, rank, timeout)
     messaging = dist.new_group(list(range(topology.world_size)), backend=BACKEND_NAME, timeout=timeout)
     return groups, messaging
 
@@ -207,6 +215,10 @@ def parallel_groups() -> ParallelGroups:
         tp_ranks=ranks[CommGroup.TP_GROUP],
         dp_ranks=ranks[CommGroup.DP_GROUP],
         rdp_ranks=ranks[CommGroup.RDP_GROUP],
+        sdp=s.process_groups[CommGroup.SDP_GROUP],
+        sdp_replica=s.process_groups[CommGroup.SDP_REPLICA_GROUP],
+        sdp_ranks=ranks[CommGroup.SDP_GROUP],
+        sdp_replica_ranks=ranks[CommGroup.SDP_REPLICA_GROUP],
     )
 
 
@@ -235,11 +247,22 @@ def reset(keep_groups: bool = False) -> None:
         return
     kept = [(g, m) for g, m in _kept.values()]
     _kept.clear()
+    _forget_dtensor_layouts()
     for groups, messaging in [(_state.process_groups, _state.messaging_group), *kept]:
         mine = [g for kind, g in groups.items() if kind is not CommGroup.WORLD]
         for group in dict.fromkeys([*mine, messaging]):
             dist.destroy_process_group(group)
     _state = None
+
+
+def _forget_dtensor_layouts() -> None:
+    """DTensor caches each op's output layout by its inputs' meshes, which compare equal across
+    groups of the same ranks; a cached layout would name a group destroyed here (sharded data
+    parallelism's DTensors, in a process that initializes smp again)."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 # --- ranks and groups ----------------------------------------------------------
@@ -325,3 +348,4 @@ tp_rank, tp_size, get_tp_group, get_tp_process_group = _helpers(CommGroup.TP_GRO
 dp_rank, dp_size, get_dp_group, get_dp_process_group = _helpers(CommGroup.DP_GROUP, "dp")
 rdp_rank, rdp_size, get_rdp_group, get_rdp_process_group = _helpers(CommGroup.RDP_GROUP, "rdp")
 mp_rank, mp_size, get_mp_group, get_mp_process_group = _helpers(CommGroup.MP_GROUP, "mp")
+sdp_rank, sdp_size, get_sdp_group, get_sdp_process_group = _helpers(CommGroup.SDP_GROUP, "sdp")

@@ -12,6 +12,9 @@ data-parallel group):
 - PP_GROUP: same (D, T), all stages;        TP_GROUP: same (D, P), all shards;
 - RDP_GROUP: same (P, T), all replicas;      DP_GROUP: same P: all (D, T), size tp * rdp;
 - MP_GROUP: same D: all (P, T), size pp * tp;  WORLD: everyone.
+Sharded data parallelism (sdp, dividing rdp) cuts each RDP_GROUP into blocks of sdp consecutive
+replicas: SDP_GROUP is one block (the ranks a parameter is sharded over), SDP_REPLICA_GROUP the
+ranks holding the same shard in every block (the hybrid-sharding replicas). D = block * sdp + i.
 Within a group, a rank's index is its position among the group's ranks in ascending order.
 """
 
@@ -29,6 +32,8 @@ class CommGroup(enum.Enum):
     DP_GROUP = "dp"
     RDP_GROUP = "rdp"
     MP_GROUP = "mp"
+    SDP_GROUP = "sdp"
+    SDP_REPLICA_GROUP = "sdp_replica"
 
 
 class RankType(enum.Enum):
@@ -40,6 +45,7 @@ class RankType(enum.Enum):
     PP_RANK = CommGroup.PP_GROUP
     TP_RANK = CommGroup.TP_GROUP
     RDP_RANK = CommGroup.RDP_GROUP
+    SDP_RANK = CommGroup.SDP_GROUP
 
 
 # The axes each group varies over; a group is all ranks agreeing on the other axes.
@@ -50,7 +56,18 @@ _VARYING = {
     CommGroup.RDP_GROUP: "D",
     CommGroup.DP_GROUP: "DT",
     CommGroup.MP_GROUP: "PT",
+    CommGroup.SDP_GROUP: "D",  # part of D: D % sdp varies (see _key)
+    CommGroup.SDP_REPLICA_GROUP: "D",  # part of D: D // sdp varies
 }
+
+
+def _key(kind: CommGroup, c: dict[str, int], sdp: int) -> tuple[int, ...]:
+    """What the ranks of one group of this kind agree on."""
+    if kind is CommGroup.SDP_GROUP:
+        return (c["P"], c["T"], c["D"] // sdp)
+    if kind is CommGroup.SDP_REPLICA_GROUP:
+        return (c["P"], c["T"], c["D"] % sdp)
+    return tuple(c[a] for a in "DPT" if a not in _VARYING[kind])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +76,17 @@ class Topology:
     pp: int
     tp: int
     order: str = "DPT"
+    sdp: int = 1  # sharded data parallelism: replicas a parameter is sharded over (divides rdp)
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.tp < 1 or self.world_size % (self.pp * self.tp):
             raise ValueError(
                 f"world size {self.world_size} is not divisible by pp ({self.pp}) x tp ({self.tp})"
+            )
+        if self.sdp < 1 or self.rdp % self.sdp:
+            raise ValueError(
+                f"sharded data parallel degree {self.sdp} does not divide the reduced data parallel "
+                f"degree {self.rdp} (world {self.world_size} / (pp {self.pp} x tp {self.tp}))"
             )
         if sorted(self.order) != ["D", "P", "T"]:
             raise ValueError(f"placement order must be a permutation of 'DPT', got {self.order!r}")
@@ -90,10 +113,10 @@ class Topology:
     def _groups(self) -> dict[CommGroup, tuple[list[list[int]], list[int]]]:
         """Per kind: every group (ascending, ordered by first rank), and each rank's group index."""
         table = {}
-        for kind, varying in _VARYING.items():
+        for kind in _VARYING:
             by_key: dict[tuple[int, ...], list[int]] = {}
             for rank, c in enumerate(self._coords):
-                key = tuple(c[a] for a in "DPT" if a not in varying)
+                key = _key(kind, c, self.sdp)
                 by_key.setdefault(key, []).append(rank)  # ranks arrive ascending
             groups = sorted(by_key.values(), key=lambda g: g[0])
             index = [0] * self.world_size
@@ -127,6 +150,10 @@ class Topology:
         return groups[index[self._checked(rank)]].index(rank)
 
     def group_size(self, group: CommGroup) -> int:
+        if group is CommGroup.SDP_GROUP:
+            return self.sdp
+        if group is CommGroup.SDP_REPLICA_GROUP:
+            return self.rdp // self.sdp
         size = 1
         for axis in _VARYING[group]:
             size *= self.sizes[axis]

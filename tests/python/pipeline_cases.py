@@ -234,7 +234,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         losses.append(loss.item() / smp.dp_size())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     local = dict(dmodel.local_named_parameters())
-    if smp.tp_size() > 1:  # compare the full parameters, gathered from their shards
+    if smp.tp_size() > 1 or smp.sdp_size() > 1:  # compare the full parameters, gathered from their shards
         full = dmodel.state_dict()
         param_err = max((full[n].cpu() - ref_params[n]).abs().max().item() for n in ref_params)
     else:
@@ -244,7 +244,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
     state_err = None
     if smp.pp_size() == 1 and smp.tp_size() == 1:  # per-parameter state against the reference's
         state_err = max(
-            (v - ref["state"][order[i]][k]).abs().max().item()
+            (_whole(v).cpu() - ref["state"][order[i]][k]).abs().max().item()
             for i, entry in full_state["state"].items()
             for k, v in entry.items()
             if isinstance(v, torch.Tensor) and v.dim() > 0
@@ -271,6 +271,11 @@ def _train_once(smp, case, steps, global_batch, options, ref):
     }
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: gathered from its shards where sharded data parallelism cut it (a DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _grad_error(dmodel, ref_grads) -> float:
     """Largest difference between this rank's gradients (of its shards) and the reference's,
     relative to the largest reference gradient."""
@@ -278,6 +283,6 @@ def _grad_error(dmodel, ref_grads) -> float:
     err = 0.0
     for name, p in dmodel.local_named_parameters():
         expected = dmodel._local_part(p, ref_grads[name])
-        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        got = _whole(p.grad) if p.grad is not None else torch.zeros(p.shape)
         err = max(err, (got.cpu() - expected).abs().max().item() / scale)  # .cpu(): CUDA runs too
     return err

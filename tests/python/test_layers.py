@@ -37,7 +37,17 @@ LAYERS: dict[str, int] = {
         2,
     ),
     **dict.fromkeys(
-        ["pipeline", "tensor_parallel", "data_parallel", "optim", "recompute", "state", "planner"], 3
+        [
+            "pipeline",
+            "tensor_parallel",
+            "data_parallel",
+            "sharded_data",
+            "optim",
+            "recompute",
+            "state",
+            "planner",
+        ],
+        3,
     ),
     "engine": 4,
     **dict.fromkeys(

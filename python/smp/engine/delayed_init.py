@@ -69,15 +69,17 @@ def materialize(
     device: torch.device,
     seed: int,
     tp_rank: int,
+    prefix: str = "",
 ) -> dict[int, torch.Tensor]:
     """Allocates and initializes the meta tensors `root` still holds (this rank's part), in new
     tensor objects put in the modules; returns id(meta tensor) -> its replacement, for the other
     holders (stage graphs; an optimizer follows smp.params.current).
 
     full_shapes: id(shard) -> the shape of the whole parameter, for tensor-parallel shards.
+    prefix: `root`'s path in the whole model (each module's seed follows its full path).
     """
     replaced: dict[int, torch.Tensor] = {}
-    for path, module in root.named_modules(remove_duplicate=False):
+    for path, module in root.named_modules(remove_duplicate=False, prefix=prefix):
         own = [
             (n, t)
             for n, t in list(module._parameters.items()) + list(module._buffers.items())

@@ -27,13 +27,14 @@ from smp.data_parallel.grad_sync import GradSync
 from smp.engine import compiled, inputs, signatures
 from smp.engine.accumulation import Accumulation
 from smp.engine.build import debug_report
-from smp.engine.plan import Plan, place_whole, rank_device
+from smp.engine.plan import Plan, place_sharded, place_whole, rank_device
 from smp.engine.programs import Programs
 from smp.engine.protocol import GradientConsumer
 from smp.engine.trained import TrainedSet
 from smp.finite_check import FiniteCheck
 from smp.groups import ParallelGroups
 from smp.services.microbatch import Microbatch
+from smp.sharded_data import ShardedModel
 from smp.state import model_state
 from smp.tensor_parallel import inputs as tp_inputs
 
@@ -57,7 +58,8 @@ class Engine:
         self._device = rank_device()  # where its part runs (smp.init chose the GPU)
         self.schedule = config.schedule()
         self.dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
-        if self.dtype is not None:
+        sharded = config.sharded_data_parallel_degree > 1
+        if self.dtype is not None and not sharded:  # (FSDP2 gathers bf16 copies of fp32 shards)
             module.to(self.dtype)  # half-precision parameters and activations; fp32 masters in the optimizer
         params.refresh(module)
         self._average_microbatches = average_grads_across_microbatches
@@ -68,6 +70,8 @@ class Engine:
         self.plan: Plan | None = None
         self.programs = Programs(module, config, groups, trace_execution_times)
         self.grad_sync: GradSync | None = None  # the gradient averaging, once the model is placed
+        # Sharded data parallelism (FSDP2 shards the parameters and averages the gradients).
+        self.sharded_data: ShardedModel | None = None
         self._trained = TrainedSet(module)
         self._consumers: list[GradientConsumer] = []
         self._post_partition_hooks: list[Callable] = []  # each runs once, when partitioned
@@ -83,7 +87,12 @@ class Engine:
         checks = (config.check_finite or config.debug) and not config.fp16
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
         self._whole = module  # what a forward calls when the model runs whole
-        if not self.captures:
+        if sharded:
+            plan, self.sharded_data = place_sharded(module, config, groups)
+            self.plan = plan
+            self._buffers = replicas.BufferSlots(module)
+            self._trained.take(final=False)
+        elif not self.captures:
             self._install(place_whole(module, config, groups))
             if config.compile is not None:  # smp's hooks (gradient buckets) stay outside the graph
                 self._whole = compiled.compile_stage(module, config.compile)
@@ -118,9 +127,10 @@ class Engine:
         if self.steps_run == 0:
             self._checkpointing.check_first_step()
         self._check_trained()
-        if self.grad_sync is not None:
+        if self.partitioned:
             for consumer in self._consumers:
                 consumer.step_starting()
+        if self.grad_sync is not None:
             self._start_grad_sync()
         self._backward_ran = False
         self.steps_run += 1
@@ -153,7 +163,8 @@ class Engine:
         self._trained.make_final()
 
     def _check_trained(self) -> None:
-        self._trained.check(lambda: self.grad_sync.follow_requires_grad(list(self.module.parameters())))
+        if self.grad_sync is not None:  # (FSDP2 reads requires_grad each backward itself)
+            self._trained.check(lambda: self.grad_sync.follow_requires_grad(list(self.module.parameters())))
 
     def _start_grad_sync(self) -> None:
         self.grad_sync.start_step(
@@ -298,6 +309,12 @@ class Engine:
             _run_once(self._post_partition_hooks, self.optimizer)
 
     # --- state ---------------------------------------------------------------------------
+
+    @property
+    def holds_whole_state(self) -> bool:
+        """Whether the module's own state_dict is the whole model's (not partitioned into stages
+        or shards, nor sharded over the sdp group)."""
+        return self.sharded_data is None and not (self.captures and self.partitioned)
 
     @property
     def state(self) -> model_state.ModelState:

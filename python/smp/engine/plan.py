@@ -30,6 +30,7 @@ from smp.passes.regions import Region
 from smp.pipeline import placement
 from smp.pipeline.partitioning import module_partitions
 from smp.schedules import Schedule
+from smp.sharded_data import ShardedModel, shard_model
 from smp.tensor_parallel.coverage import CoverageReport
 from smp.tensor_parallel.marks import marked_modules
 from smp.tensor_parallel.shard import shard_modes
@@ -92,6 +93,21 @@ def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Pl
     tensors = list(module.parameters()) + list(module.buffers())
     grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
     return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, grad_group)
+
+
+def place_sharded(module: nn.Module, config: Config, groups: ParallelGroups) -> tuple[Plan, ShardedModel]:
+    """Sharded data parallelism: the module runs whole on each rank, its parameters sharded over the
+    sdp group (FSDP2 averages the gradients: the plan has no gradient group of smp's)."""
+    device = rank_device()
+    materialize = None
+    if delayed_init.is_delayed(module):
+        seed = config.tensor_parallel_seed
+
+        def materialize(unit: nn.Module, path: str) -> None:
+            delayed_init.materialize(unit, {}, device, seed, 0, prefix=path)
+
+    sharded = shard_model(module, config, groups, device, materialize)
+    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, None), sharded
 
 
 def make_plan(

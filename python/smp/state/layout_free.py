@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from smp.optim.flat_state import FlatState
+from smp.sharded_data import tensors
 from smp.state.model_state import StatePlaces
 from smp.state.sliced import Slices
 
@@ -58,10 +59,16 @@ def export(
                 for k, v in optimizer.state.get(p, {}).items():
                     if _per_element(v, p.shape):
                         name, placement = places.names[id(p)], places.placements[id(p)]
-                        if places.writes(name, placement):
-                            items[key(name, k)] = Slices(placement.global_shape, v.dtype).add_local(
-                                v.detach(), placement
-                            )
+                        rows = tensors.is_sharded(v)  # sdp: this rank's rows of the state
+                        if places.writes(name, placement, rows=rows):
+                            slices = Slices(placement.global_shape, v.dtype)
+                            if rows:
+                                slices.add_range(
+                                    tensors.local(v).detach().reshape(-1), tensors.flat_start(v), placement
+                                )
+                            else:
+                                slices.add_local(v.detach(), placement)
+                            items[key(name, k)] = slices
                     else:
                         whole(p, k, v)
         return items, values
@@ -118,10 +125,16 @@ def destinations(
                     if k == MASTER:
                         continue  # this run keeps no master copy: the model's weights are loaded
                     if per_element(p, shape):
-                        local = torch.zeros(p.shape, dtype=dtype, device=p.device)
                         placement = places.placements[id(p)]
-                        items[key(places.names[id(p)], k)] = Slices(shape, dtype).add_local(local, placement)
-                        state[k] = local
+                        slices = items[key(places.names[id(p)], k)] = Slices(shape, dtype)
+                        if tensors.is_sharded(p):  # sdp: this rank's rows, as a DTensor like p
+                            local = torch.zeros(tensors.local(p).shape, dtype=dtype, device=p.device)
+                            slices.add_range(local.view(-1), tensors.flat_start(p), placement)
+                            state[k] = tensors.like(p, local)
+                        else:
+                            local = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                            slices.add_local(local, placement)
+                            state[k] = local
                     else:
                         state[k] = whole(p, k, shape, dtype)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import smp.passes as passes
 from smp.groups import ParallelGroups
+from smp.sharded_data import tensors
 from smp.state.sliced import Placement, Slices
 
 
@@ -66,7 +67,7 @@ def load_full_state_dict(
     with torch.no_grad():
         for key, t in module.named_parameters(remove_duplicate=False):
             if key in state_dict:
-                t.copy_(local_part(t, state_dict[key], specs, groups))
+                tensors.copy_whole_into(t, local_part(t, state_dict[key], specs, groups))
         for key, t in module.named_buffers(remove_duplicate=False):
             if key in state_dict:
                 t.copy_(state_dict[key])
@@ -79,7 +80,7 @@ def _unsharded_local_state(
     state = {}
     for key, t in module.state_dict(keep_vars=True).items():
         spec = specs.get(id(t))  # keep_vars: the Parameter objects themselves
-        t = t.detach()
+        t = tensors.whole(t.detach())  # (sdp shards: a collective over the sdp group)
         if spec is not None:
             parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
             dist.all_gather(parts, t.contiguous(), group=groups.tp)
@@ -98,21 +99,28 @@ class StatePlaces:
     order, so tied weights have one name on every layout), and which entries this rank writes so
     that every element of the model is written exactly once."""
 
-    entries: tuple[tuple[str, torch.Tensor, Placement], ...]  # (key, local tensor, placement)
+    # (key, local tensor, placement, where the local tensor starts in the flattened whole: None
+    # when it is all of it, an element offset for a row range of an sdp-sharded tensor)
+    entries: tuple[tuple[str, torch.Tensor, Placement, int | None], ...]
     names: Mapping[int, str]  # id(parameter) -> canonical name
     placements: Mapping[int, Placement]  # id(parameter) -> placement
     stage_writes: frozenset[str]  # keys the lowest stage holding them writes: this stage's
     tp_rank: int
     rdp_rank: int
+    sdp_size: int = 1
 
-    def writes(self, key: str, placement: Placement, per_replica_chunk: bool = False) -> bool:
+    def writes(
+        self, key: str, placement: Placement, per_replica_chunk: bool = False, rows: bool = False
+    ) -> bool:
         """Whether this rank writes `key`: its lowest stage, every tensor-parallel rank of a sharded
         tensor (tp rank 0 of a replicated one), and the first replica unless each replica holds a
-        chunk of its own (sharded optimizer state)."""
+        chunk of its own (sharded optimizer state) or, for `rows` of an sdp-sharded tensor, every
+        rank of the first sdp group."""
+        first = self.rdp_rank < self.sdp_size if rows else self.rdp_rank == 0
         return (
             key in self.stage_writes
             and (placement.spec is not None or self.tp_rank == 0)
-            and (per_replica_chunk or self.rdp_rank == 0)
+            and (per_replica_chunk or first)
         )
 
 
@@ -124,12 +132,13 @@ def state_places(
     entries, names, placements = [], {}, {}
     for key, t in module.state_dict(keep_vars=True).items():
         placement = Placement.of(t.shape, specs.get(id(t)), groups.tp_rank, groups.tp_size)
-        entries.append((key, t, placement))
+        start = tensors.flat_start(t) if tensors.is_sharded(t) else None
+        entries.append((key, tensors.local(t), placement, start))
         placements[id(t)] = placement
         if id(t) not in names or order.get(key, len(order)) < order.get(names[id(t)], len(order)):
             names[id(t)] = key
     held: list[Any] = [None] * groups.pp_size
-    mine = sorted(k for k, _, _ in entries)
+    mine = sorted(k for k, *_ in entries)
     if groups.pp_size > 1:
         dist.all_gather_object(held, mine, group=groups.pp)
     else:
@@ -139,17 +148,23 @@ def state_places(
         for k in stage_keys:
             first.setdefault(k, stage)
     writes = frozenset(k for k in mine if first[k] == groups.pp_rank)
-    return StatePlaces(tuple(entries), names, placements, writes, groups.tp_rank, groups.rdp_rank)
+    return StatePlaces(
+        tuple(entries), names, placements, writes, groups.tp_rank, groups.rdp_rank, groups.sdp_size
+    )
 
 
 def model_slices(places: StatePlaces, for_save: bool) -> dict[str, Slices]:
     """The model's entries as Slices of views of this rank's tensors: those it writes (for_save),
     or all it holds (to load into)."""
     items = {}
-    for key, t, placement in places.entries:
-        if for_save and not places.writes(key, placement):
+    for key, t, placement, start in places.entries:
+        if for_save and not places.writes(key, placement, rows=start is not None):
             continue
-        items[key] = Slices(placement.global_shape, t.dtype).add_local(t.detach(), placement)
+        slices = Slices(placement.global_shape, t.dtype)
+        if start is None:
+            items[key] = slices.add_local(t.detach(), placement)
+        else:
+            items[key] = slices.add_range(t.detach().reshape(-1), start, placement)
     return items
 
 
