@@ -224,7 +224,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         loss = train_step(local).reduce_mean()
         if s == 0:
             grad_err = _grad_error(dmodel, ref_grads)
-        if "clip" in options:
+        if "clip" in options and not options.get("clipped_by_config"):  # (sdp_gradient_clipping)
             norm = opt.clip_master_grads(options["clip"]).item()
             norm0 = norm if norm0 is None else norm0
         opt.step()

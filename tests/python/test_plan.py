@@ -221,9 +221,13 @@ def test_json_shapes(config_json):
 
 
 def test_table_output(config_json):
+    # bf16 (the default): sharded data parallelism comes before tensor parallelism, where the
+    # layers fit one GPU (test_planner_sdp.py); smp's sdp does not run fp16, which takes tp 2.
     code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--gpu-memory", "24GiB")
     assert code == 0
-    assert "recommended: {" in out and "4. tensor parallelism 2: fits" in out and "does not fit" in out
+    assert "recommended: {" in out and "4. sharded data parallelism 16: fits" in out and "does not fit" in out
+    code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--gpu-memory", "24GiB", "--precision", "fp16")
+    assert code == 0 and "4. tensor parallelism 2: fits" in out
 
 
 def test_python_dash_m_and_the_function_share_the_name(config_json, monkeypatch, capsys):
@@ -234,11 +238,11 @@ def test_python_dash_m_and_the_function_share_the_name(config_json, monkeypatch,
         warnings.simplefilter("ignore", RuntimeWarning)  # smp.plan may already be imported
         runpy.run_module("smp.plan", run_name="__main__", alter_sys=True)
     assert done.value.code == 0
-    assert json.loads(capsys.readouterr().out)["recommended"]["tensor_parallel_degree"] == 2
+    assert json.loads(capsys.readouterr().out)["recommended"]["sharded_data_parallel_degree"] == 16
     import smp.plan  # noqa: F401  (rebinds the attribute smp.plan to the module: still callable)
 
     result = smp.plan(config_json, seq_len=512, global_batch=1280, gpus=128, gpu_memory="24GiB")
-    assert result.recommended["tensor_parallel_degree"] == 2
+    assert result.recommended["sharded_data_parallel_degree"] == 16
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,12 @@ from smp.recompute.requests import group_size
 
 CHECKPOINTING_KEY = "activation_checkpointing"
 RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp * tp)
+SDP_KEY = "sharded_data_parallel_degree"
+# smp's engine shards data parallelism (FSDP2) only with pipeline_parallel_degree 1 and
+# tensor_parallel_degree 1 for now. The memory and time models are written for the general case
+# (sdp shards a rank's TP shard of its stage); this one switch keeps the walk and --layout from
+# proposing what the engine cannot run. Turn it on when the engine composes them.
+SDP_COMPOSES_WITH_MODEL_PARALLEL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +29,7 @@ class Layout:
     pp: int = 1
     tp: int = 1
     rdp: int = 1
+    sdp: int = 1  # sharded data parallelism: replicas a parameter is sharded over (divides rdp)
     shard_optimizer_state: bool = False
     checkpointing: str = "none"  # none, each, group_N (of the layer list)
     prescaled_batch: bool = False
@@ -77,6 +84,7 @@ class Layout:
             "pipeline": self.pipeline,
             "prescaled_batch": self.prescaled_batch,
             "shard_optimizer_state": self.shard_optimizer_state,
+            SDP_KEY: self.sdp,
             "ddp": True,
             "fp16": self.fp16,
             "bf16": self.bf16,
@@ -91,6 +99,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"tp={self.tp}", f"rdp={self.rdp}"]
+        if self.sdp > 1:
+            parts.append(f"sdp={self.sdp}")
         if self.shard_optimizer_state:
             parts.append("sharded optimizer")
         if self.checkpointing != "none":
@@ -112,6 +122,9 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
     config = dict(config)
     checkpointing = config.pop(CHECKPOINTING_KEY, "none")
     rdp_given = config.pop(RDP_KEY, None)
+    # Checked here rather than by smp.config.parse: whether smp.init accepts a degree depends on
+    # the engine's state, while the planner models any degree that divides rdp.
+    sdp = _positive_sdp(config.pop(SDP_KEY, 1))
     for key in config:
         name = smp_config.ALIASES.get(key, key)
         if name not in smp_config.Config.__dataclass_fields__ and name not in smp_config.LEGACY_NO_OP_KEYS:
@@ -130,10 +143,11 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
             f"{gpus} GPUs; set {RDP_KEY} to {rdp} or leave it out"
         )
     _check_checkpointing(checkpointing)
-    return Layout(
+    layout = Layout(
         pp=pp,
         tp=tp,
         rdp=rdp,
+        sdp=sdp,
         shard_optimizer_state=parsed.shard_optimizer_state,
         checkpointing=checkpointing,
         prescaled_batch=parsed.prescaled_batch,
@@ -146,6 +160,46 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
         activation_loading_horizon=parsed.activation_loading_horizon,
         shard_gradients=parsed.shard_gradients,
     )
+    problem = sdp_problem(layout)
+    if problem:
+        raise ValueError(f"smp.plan: {problem}")
+    return layout
+
+
+def sdp_problem(layout: Layout) -> str:
+    """Why `layout`'s sharded data parallel degree cannot run ("" where it can), with the fix."""
+    n = layout.sdp
+    if n == 1:
+        return ""
+    if layout.rdp % n:
+        divisors = [d for d in range(1, layout.rdp + 1) if layout.rdp % d == 0]
+        return (
+            f"{SDP_KEY} {n} does not divide the reduced data parallel degree {layout.rdp} "
+            f"(GPUs / (pp x tp)); choose one of {divisors}"
+        )
+    if layout.shard_optimizer_state:
+        return (
+            f"{SDP_KEY} {n} already shards the optimizer state (with the parameters and gradients); "
+            "set shard_optimizer_state to false, or sharded_data_parallel_degree to 1"
+        )
+    if layout.fp16:
+        return (
+            f"{SDP_KEY} {n}: smp's sharded data parallelism runs in fp32 or bf16, not fp16; "
+            'set "bf16": true instead of "fp16", or sharded_data_parallel_degree to 1'
+        )
+    if (layout.pp > 1 or layout.tp > 1) and not SDP_COMPOSES_WITH_MODEL_PARALLEL:
+        return (
+            f"{SDP_KEY} {n}: smp runs sharded data parallelism only with pipeline_parallel_degree 1 and "
+            f"tensor_parallel_degree 1 (got {layout.pp} and {layout.tp}); set both to 1, or "
+            "sharded_data_parallel_degree to 1"
+        )
+    return ""
+
+
+def _positive_sdp(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"smp.plan: {SDP_KEY} must be a positive integer, got {value!r}")
+    return value
 
 
 def _parse_smp_keys(config: dict[str, Any]) -> smp_config.Config:
@@ -187,7 +241,7 @@ def _check_checkpointing(value: Any) -> None:
 
 
 def _unknown_key(key: str) -> str:
-    known = sorted([*smp_config.Config.__dataclass_fields__, CHECKPOINTING_KEY, RDP_KEY])
+    known = sorted({*smp_config.Config.__dataclass_fields__, CHECKPOINTING_KEY, RDP_KEY, SDP_KEY})
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(known)}"
     return f"smp.plan: --layout has an unknown key '{key}'; {fix}"

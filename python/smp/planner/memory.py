@@ -19,6 +19,13 @@ What smp holds (python/smp/optim/flat_state.py, data_parallel/grad_sync.py, sche
   the gradient of one layer's largest activation;
 - communication: pipeline send/receive buffers per microbatch alive and tensor-parallel
   collective buffers (the data-parallel average runs on the gradient buffers themselves).
+Sharded data parallelism (sdp = N > 1, ZeRO-3 on torch FSDP2, smp/sharded_data/) replaces the
+parameter, gradient and optimizer terms: the rank's part of the model (its TP shard of its stage)
+is held as 1/N shards in fp32 (parameters, which are also the masters under bf16; gradients;
+optimizer state), plus what is gathered whole: up to SDP_LIVE_LAYERS layers' parameters and, in
+backward, their gradients in the compute dtype (bf16 or fp32), the root unit's (embeddings, final
+norm, head) for the whole forward and backward, and one layer's fp32 reduce-scatter input.
+Activations are as without sdp. Either runtime: smp's sdp is FSDP2's buffers.
 SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
 bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
 The peak is parameters + optimizer state + the larger of the backward (gradients being
@@ -38,6 +45,10 @@ from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
 
 ADAM_MOMENTS = 2  # Adam/AdamW; an optimizer with other state scales this term
+# Layers gathered at once under sdp: the one computing and the one prefetched (FSDP2's own
+# prefetch). smp's sdp_max_live_parameters can let small layers prefetch two ahead
+# (sharded_data/units.py prefetch_depth): one more layer than counted here.
+SDP_LIVE_LAYERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +99,7 @@ class Breakdown:
     margin: float
     microbatch_size: int
     microbatches_alive: int
+    gathered: float = 0.0  # sdp: layers and root gathered whole in backward, with their gradients
 
     @property
     def total(self) -> float:
@@ -163,30 +175,117 @@ def _stage(
     facts: ModelFacts, layout: Layout, workload: Workload, runtime: Runtime, stage: int, mb: int
 ) -> Breakdown:
     p = stage_parameters(facts, layout, stage)
-    chunk = p / (layout.rdp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
-    param_bytes = p * (2 if layout.half else 4)
-    optimizer = chunk * 4 * ADAM_MOMENTS
-    masters = chunk * 4 if layout.half else 0.0
-    accumulation, step_grads, buckets = _gradient_terms(layout, runtime, p, chunk)
+    if layout.sdp > 1:
+        state = _sharded_state(facts, layout, stage, p)
+    else:
+        state = _replicated_state(layout, runtime, p)
     saved, recompute, working, comm = _activation_terms(facts, layout, workload, stage, mb)
-    backward = accumulation + saved + recompute + working + comm
-    at_step = step_grads + buckets
-    peak = param_bytes + optimizer + masters + max(backward, at_step)
+    comm += state.reduce_scatter
+    backward = state.accumulation + state.gathered + saved + recompute + working + comm
+    at_step = state.at_step + state.buckets
+    peak = state.parameters + state.optimizer + state.masters + max(backward, at_step)
     return Breakdown(
         stage=stage,
-        parameters=param_bytes,
-        gradients=step_grads,
-        optimizer_state=optimizer,
-        masters=masters,
+        parameters=state.parameters,
+        gradients=state.at_step,
+        optimizer_state=state.optimizer,
+        masters=state.masters,
         activations=saved,
         recompute=recompute,
         working=working,
-        communication=comm + buckets,
+        communication=comm + state.buckets,
         peak=peak,
         margin=CONTEXT_BYTES + FRAGMENTATION * peak,
         microbatch_size=mb,
         microbatches_alive=alive(layout, stage),
+        gathered=state.gathered,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelState:
+    """Bytes of the parameters, their gradients and the optimizer's state on one GPU."""
+
+    parameters: float
+    optimizer: float
+    masters: float
+    accumulation: float  # gradients held through the backward
+    at_step: float  # every gradient copy at the optimizer step
+    buckets: float  # the data-parallel buckets' copies at the step
+    gathered: float = 0.0  # sdp: whole layers and root in backward
+    reduce_scatter: float = 0.0  # sdp: a layer's fp32 gradient being reduce-scattered
+
+
+def _replicated_state(layout: Layout, runtime: Runtime, p: float) -> _ModelState:
+    """Whole parameters; the optimizer state (and, ZeRO-2, the gradients) of 1/rdp of them with
+    shard_optimizer_state."""
+    chunk = p / (layout.rdp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
+    accumulation, at_step, buckets = _gradient_terms(layout, runtime, p, chunk)
+    return _ModelState(
+        parameters=p * compute_bytes(layout),
+        optimizer=chunk * 4 * ADAM_MOMENTS,
+        masters=chunk * 4 if layout.half else 0.0,
+        accumulation=accumulation,
+        at_step=at_step,
+        buckets=buckets,
+    )
+
+
+def _sharded_state(facts: ModelFacts, layout: Layout, stage: int, p: float) -> _ModelState:
+    """sdp: every per-parameter term is a 1/sdp shard, plus what is gathered whole."""
+    grads = sdp_gradients(layout, p)
+    return _ModelState(
+        parameters=sdp_parameters(layout, p),
+        optimizer=sdp_optimizer_state(layout, p),
+        masters=0.0,  # the fp32 shards are the masters; bf16 is only the gathered copies' dtype
+        accumulation=grads,
+        at_step=grads,
+        buckets=0.0,
+        gathered=sdp_live_layers(facts, layout, stage) + sdp_root(facts, layout, stage),
+        reduce_scatter=sdp_reduce_scatter(facts, layout),
+    )
+
+
+def compute_bytes(layout: Layout) -> int:
+    """Bytes of a parameter or activation element in the training precision."""
+    return 2 if layout.half else 4
+
+
+def sdp_parameters(layout: Layout, p: float) -> float:
+    """The fp32 parameter shard (FSDP2 keeps fp32 shards under bf16 too: no separate masters)."""
+    return 4 * p / layout.sdp
+
+
+def sdp_gradients(layout: Layout, p: float) -> float:
+    """The fp32 gradient shard (reduce-scattered in fp32), kept across the step."""
+    return 4 * p / layout.sdp
+
+
+def sdp_optimizer_state(layout: Layout, p: float) -> float:
+    """The optimizer's state of the parameter shard (Adam: two fp32 moments)."""
+    return 4 * ADAM_MOMENTS * p / layout.sdp
+
+
+def sdp_live_layers(facts: ModelFacts, layout: Layout, stage: int) -> float:
+    """The layers gathered at once (the one computing, the one prefetched), in backward with their
+    unsharded gradients, both in the compute dtype."""
+    live = min(SDP_LIVE_LAYERS, held(layout, stage, facts.layers)[0])
+    return live * facts.layer.per_rank(layout.tp) * 2 * compute_bytes(layout)
+
+
+def sdp_root(facts: ModelFacts, layout: Layout, stage: int) -> float:
+    """The root unit (embeddings, final norm, head: the stage's parameters outside its layers),
+    gathered from its forward to the end of the backward, and its unsharded gradient, which is
+    reduce-scattered only when the backward ends (the head's is made at its start)."""
+    layers = held(layout, stage, facts.layers)[0]
+    root = stage_parameters(facts, layout, stage) - layers * facts.layer.per_rank(layout.tp)
+    return root * 2 * compute_bytes(layout)
+
+
+def sdp_reduce_scatter(facts: ModelFacts, layout: Layout) -> float:
+    """FSDP2 copies a layer's gradients into one fp32 buffer to reduce-scatter them (the root's is
+    reduce-scattered after the backward, when the activations are gone)."""
+    return 4 * facts.layer.per_rank(layout.tp)
 
 
 def _shards_gradients(layout: Layout, p: float) -> bool:
@@ -221,7 +320,7 @@ def _activation_terms(
 ) -> tuple[float, float, float, float]:
     """(saved activations, recompute working set, working memory, pipeline and TP buffers) of one
     stage, in bytes."""
-    elem, tp = (2 if layout.half else 4), layout.tp
+    elem, tp = compute_bytes(layout), layout.tp
     n_layers, first, last = held(layout, stage, facts.layers)
     per_layer = facts.saved_layer.per_rank(elem, tp)
     ends = 0.0

@@ -19,6 +19,7 @@ _PARTS = (
     "recompute",
     "working",
     "communication",
+    "gathered",
 )
 
 
@@ -53,6 +54,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
             "tp_comm_s": round(t.tp_comm, 4),
             "pp_comm_s": round(t.pp_comm, 4),
             "dp_comm_s": round(t.dp_comm, 4),
+            "sdp_comm_s": round(t.sdp_comm, 4),
         },
     }
 
@@ -111,8 +113,8 @@ class PlanResult:
             lines.append("")
             lines.append(f"recommended: {rec}" if rec else "recommended: none fits; see the reasons above")
         lines.append(
-            "GiB per GPU on its fullest stage; margin = 1 GiB + 10% of the peak; time = step time over the "
-            "ideal (assumptions: smp/planner/step_time.py)"
+            "GiB per GPU on its fullest stage; margin = 1 GiB + 10% of the peak; work includes sdp's "
+            "gathered layers; time = step time over the ideal (assumptions: smp/planner/step_time.py)"
         )
         return "\n".join(lines)
 
@@ -129,7 +131,7 @@ def _row(c: Candidate) -> str:
         b.gradients,
         b.optimizer_state + b.masters,
         b.activations,
-        b.working,
+        b.working + b.gathered,  # sdp's gathered layers are working memory, in one column
         b.communication,
     ]
     cells += [b.peak, b.total]

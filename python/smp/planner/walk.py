@@ -6,8 +6,15 @@ configuration that fits.
 3. Checkpoint activations: every transformer layer ("each"), then two layers per region
    ("group_2": fewer inputs kept, a larger region recomputed). Later steps keep "each", the
    seed's reference choice.
-4. Tensor parallelism: a power of two (2, 4, 8, ...) at most the GPUs per node, dividing the
-   attention heads (and key/value heads), with prescaled_batch on.
+4. Split the model's state, where SMP's later best practice put sharded data parallelism first:
+   - sharded data parallelism (sdp, in place of the sharded optimizer state, checkpointing kept),
+     the smallest degree dividing rdp that fits, degrees whose group stays inside a node first.
+     Not where the layers themselves do not fit one GPU (even sdp = rdp does not fit: what is
+     left is per layer, which only tensor parallelism cuts), nor under fp16 (smp's sdp runs in
+     fp32 or bf16);
+   - tensor parallelism: a power of two (2, 4, 8, ...) at most the GPUs per node, dividing the
+     attention heads (and key/value heads), with prescaled_batch on; then, where the engine
+     composes them (layout.SDP_COMPOSES_WITH_MODEL_PARALLEL), sdp over the largest TP layout.
 5. Pipeline parallelism across nodes (the largest TP degree from step 4 stays inside a node):
    pp = 2, 4, ...; for each, microbatches from the smallest that fills the pipeline up
    (smaller microbatches, less memory each), then fewer active_microbatches.
@@ -19,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 
 from smp.planner import memory, step_time
-from smp.planner.layout import Layout
+from smp.planner.layout import Layout, sdp_problem
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
 
 MAX_MICROBATCH_CHOICES = 3  # per pipeline degree: the walk lists every layout it tries
+SDP_STEP = "4. sharded data parallelism"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +73,7 @@ def _reason(b: memory.Breakdown, workload: memory.Workload, fits: bool) -> str:
         "gradients": b.gradients,
         "optimizer state": b.optimizer_state + b.masters,
         "activations": b.activations,
+        "gathered layers (sdp)": b.gathered,
         "communication": b.communication,
     }
     largest = sorted(parts.items(), key=lambda kv: -kv[1])[:2]
@@ -89,12 +98,30 @@ class Walk:
         self.candidates.append(candidate)
         return candidate.fits
 
+    def probe(self, layout: Layout) -> Candidate | None:
+        """`layout` evaluated without listing it (None where its batch does not split)."""
+        try:
+            return evaluate(self.facts, layout, self.workload, self.runtime)
+        except ValueError:
+            return None
+
 
 def walk(facts: ModelFacts, workload: memory.Workload, runtime: memory.Runtime, precision: str) -> Walk:
     w = Walk(facts, workload, runtime)
     half = {"fp16": {"fp16": True}, "bf16": {"bf16": True}, "fp32": {}}[precision]
     start = Layout(rdp=workload.gpus, **half)
-    for step in (_data_parallel, _large_gpus, _shard, _checkpoint, _tensor_parallel, _pipeline, _offload):
+    steps = (
+        _data_parallel,
+        _large_gpus,
+        _shard,
+        _checkpoint,
+        _sharded_data_parallel,
+        _tensor_parallel,
+        _sharded_with_tensor_parallel,
+        _pipeline,
+        _offload,
+    )
+    for step in steps:
         start = step(w, start)
         if start is None:
             break
@@ -130,6 +157,42 @@ def _checkpoint(w: Walk, layout: Layout) -> Layout | None:
     if w.attempt("3. activation checkpointing (group_2)", layout.replace(checkpointing="group_2")):
         return None
     return each
+
+
+def _sharded_data_parallel(w: Walk, layout: Layout, step: str = SDP_STEP) -> Layout | None:
+    """The smallest sdp degree that fits, or the layout unchanged for the next step (sdp is not
+    carried on: it replaces shard_optimizer_state, and TP and PP start from the sharded state)."""
+    base = layout.replace(shard_optimizer_state=False, shard_gradients=None)
+    degrees = sdp_degrees(base, w.workload)
+    usable = [n for n in degrees if not sdp_problem(base.replace(sdp=n))]
+    if not usable:
+        why = sdp_problem(base.replace(sdp=degrees[0])) if degrees else "one data-parallel rank"
+        w.notes.append(f"{step}: skipped ({why})")
+        return layout
+    widest = w.probe(base.replace(sdp=max(usable)))  # the least memory sdp can reach
+    if widest is None or not widest.fits:
+        detail = widest.reason.removeprefix("does not fit: ") if widest else "cannot split the batch"
+        then = "tensor parallelism cuts the layers" if layout.tp == 1 else "pipeline stages next"
+        even = f"even sdp={max(usable)} {detail}"
+        w.notes.append(f"{step}: skipped, the layers themselves do not fit one GPU: {even}; {then}")
+        return layout
+    for n in usable:
+        if w.attempt(f"{step} {n}", base.replace(sdp=n)):
+            return None
+    return layout
+
+
+def sdp_degrees(layout: Layout, workload: memory.Workload) -> list[int]:
+    """The sdp degrees above 1 dividing rdp: those whose groups stay inside a node (NVLink) first,
+    each kind smallest first."""
+    divisors = [n for n in range(2, layout.rdp + 1) if layout.rdp % n == 0]
+    return sorted(divisors, key=lambda n: (step_time.sdp_spans_nodes(layout.replace(sdp=n), workload), n))
+
+
+def _sharded_with_tensor_parallel(w: Walk, layout: Layout) -> Layout | None:
+    if layout.tp == 1:  # no TP layout to shard: step 4's sdp already tried these
+        return layout
+    return _sharded_data_parallel(w, layout, f"4. tensor parallelism {layout.tp}, sharded data parallelism")
 
 
 def _tensor_parallel(w: Walk, layout: Layout) -> Layout | None:

@@ -58,10 +58,11 @@ def numel(module: nn.Module) -> int:
 
 
 def prefetch_depth(max_live: int, units: list[tuple[str, nn.Module]]) -> int:
-    """SMP's sdp_max_live_parameters as FSDP2's explicit prefetch: how many layers beyond the one
-    running may be gathered at once (at most 2; 0 leaves FSDP2's own one-layer backward
-    prefetch)."""
+    """SMP's sdp_max_live_parameters as FSDP2's explicit prefetch: 1 (the next layer is gathered
+    while one runs, in forward as FSDP2 does in backward) where two layers fit the limit, else 0
+    (FSDP2's own backward prefetch only). Deeper prefetch is not offered: the planner counts
+    two live layers (smp.planner.memory)."""
     if not units:
         return 0
     largest = max(numel(m) for _, m in units)
-    return max(0, min(2, max_live // max(largest, 1) - 1))
+    return 1 if max_live >= 2 * largest else 0

@@ -1,0 +1,249 @@
+"""Sharded data parallelism (sharded_data_parallel_degree, on torch FSDP2) against one process
+training the whole model on the same global batch, and its state across layouts."""
+
+from __future__ import annotations
+
+import pipeline_cases
+import pytest
+import test_checkpoint
+import torch
+from harness import run_ranks
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+CLIP = 0.5  # below the test models' first gradient norms (~0.76): clipping changes every step
+SDP2 = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": CLIP, "ddp": True}
+# (case, steps, global batch) trained at sdp=2 in fp32 and bf16, and at plain dp=2 in bf16
+CASES = [("gpt", 3, 8), ("hf_gpt2", 3, 8), ("hf_llama", 3, 8)]
+
+
+def _sharded_share(smp) -> float:
+    """This rank's share of the model's parameter elements (1/sdp where they are sharded)."""
+    model = smp.parallel_state.state().model
+    mine = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    return mine / sum(p.numel() for p in model.parameters())
+
+
+def _parity(rank, world_size):
+
+    out = []
+    configs = [SDP2, SDP2 | {"bf16": True}, {"bf16": True, "ddp": True}]
+    options = {"clip": CLIP, "clipped_by_config": True}
+    for case, steps, batch in CASES:
+        runs = pipeline_cases.train_smp(rank, world_size, case, configs, steps, batch, options)
+        out.append((case, runs))
+    return out
+
+
+def test_sdp2_trains_like_one_process():
+    """sdp=2 on the repo's GPT and HF GPT-2 and Llama: fp32 within 1e-5 (HF: 1e-4) of one process (losses,
+    first gradients, clipped norm, parameters, Adam state); bf16 within 3% of it and within 1% of
+    plain data parallelism in bf16 (the same fp32 sums over bf16 compute)."""
+    for case, (fp32, bf16, dp_bf16) in run_ranks(_parity, 2, timeout=600)[0]:
+        tol = 1e-4 if case.startswith("hf_") else 1e-5  # (as test_hf_models: deeper sums)
+        assert fp32["loss_err"] < tol and fp32["param_err"] < tol, (case, fp32)
+        assert fp32["grad_err"] < tol and fp32["state_err"] < tol, (case, fp32)
+        assert bf16["loss_err"] < 0.03 and bf16["param_err"] < 0.02, (case, bf16)
+        assert bf16["losses"] == pytest.approx(dp_bf16["losses"], rel=1e-2), (case, bf16, dp_bf16)
+
+
+def _layouts(rank, world_size):
+    import smp
+
+    smp.init({"sharded_data_parallel_degree": 2})
+    groups = (smp.sdp_rank(), smp.sdp_size(), smp.get_sdp_group())
+    smp.parallel_state.reset()
+    configs = [SDP2, SDP2 | {"sharded_data_parallel_degree": 4}]
+    runs = pipeline_cases.train_smp(
+        rank, world_size, "gpt", configs, 3, 8, {"clip": CLIP, "clipped_by_config": True}
+    )
+    shares = []
+    for config in configs:
+        smp.init(config)
+        torch.manual_seed(0)
+        smp.DistributedModel(pipeline_cases.models.GPT(layers=2))
+        shares.append(_sharded_share(smp))
+        smp.parallel_state.reset()
+    return groups, runs, shares
+
+
+def test_sdp_groups_and_hybrid_sharding_on_four_ranks():
+    """4 ranks: sdp=2 (two sdp groups of consecutive replicas, hybrid: replicas average) and sdp=4
+    train like one process, and each rank holds 1/sdp of the parameters."""
+    results = run_ranks(_layouts, 4, timeout=600)
+    for rank, (groups, runs, shares) in enumerate(results):
+        assert groups == (rank % 2, 2, [rank - rank % 2, rank - rank % 2 + 1]), groups
+        for r in runs:
+            assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
+        assert shares[0] == pytest.approx(0.5, abs=0.01) and shares[1] == pytest.approx(0.25, abs=0.02)
+
+
+def _accumulation(rank, world_size):
+    """Microbatches with checkpointed layers (one process's reference), and gradients accumulated
+    over two steps (backward_passes_per_step=2) at sdp=2 and at plain dp=2."""
+    import smp
+
+    options = {"clip": CLIP, "clipped_by_config": True, "checkpoint": {"blocks": "each"}}
+    runs = pipeline_cases.train_smp(rank, world_size, "gpt", [SDP2 | {"microbatches": 2}], 3, 8, options)
+    params = {}
+    for name, config in (
+        ("sdp", {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0}),
+        ("dp", {}),
+    ):
+        smp.init(config)
+        torch.manual_seed(0)
+        model = smp.DistributedModel(pipeline_cases.models.GPT(layers=2), backward_passes_per_step=2)
+        opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+        train_step = _lm_step(smp, model)
+
+        for s in range(4):
+            if s % 2 == 0:
+                opt.zero_grad()
+            train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s + 10 * rank)))
+            if s % 2 == 1:
+                opt.step()
+        params[name] = {k: v.tolist() for k, v in model.state_dict().items()}
+        smp.parallel_state.reset()
+    return runs, params
+
+
+def test_sdp_microbatches_checkpointing_and_accumulation():
+    for runs, params in run_ranks(_accumulation, 2, timeout=600):
+        for r in runs:
+            assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
+        assert params["sdp"].keys() == params["dp"].keys()
+        for k in params["dp"]:
+            torch.testing.assert_close(
+                torch.tensor(params["sdp"][k]), torch.tensor(params["dp"][k]), atol=1e-6, rtol=1e-5
+            )
+
+
+def _lm_step(smp, model):
+    @smp.step
+    def train_step(ids):
+        loss = pipeline_cases.models.lm_loss(model(ids), ids)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
+def _delayed(rank, world_size):
+    """A model built on the meta device: sharded layer by layer, it holds what plain data
+    parallelism's materialization of the whole model holds, and trains."""
+    import smp
+
+    states, shares, losses = [], [], []
+    for config in ({"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0}, {}):
+        smp.init(config)
+        with smp.delay_param_initialization():
+            net = pipeline_cases.models.GPT(layers=2)
+        model = smp.DistributedModel(net)
+        opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+        shares.append(_sharded_share(smp))
+        states.append({k: v.tolist() for k, v in model.state_dict().items()})
+        train_step = _lm_step(smp, model)
+
+        for s in range(3):
+            opt.zero_grad()
+            ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(rank))
+            losses.append(train_step(ids).reduce_mean().item())
+            opt.step()
+        smp.parallel_state.reset()
+    return states, shares, losses
+
+
+def test_sdp_delayed_initialization():
+    states, shares, losses = run_ranks(_delayed, 2, timeout=300)[0]
+    assert states[0].keys() == states[1].keys()
+    for k in states[1]:
+        assert torch.equal(torch.tensor(states[0][k]), torch.tensor(states[1][k])), k
+    assert shares[0] == pytest.approx(0.5, abs=0.01) and shares[1] == 1.0
+    assert losses[:3] == pytest.approx(losses[3:], rel=1e-5) and losses[2] < losses[0], losses
+
+
+# --- checkpoints across layouts ------------------------------------------------------------
+
+SDP2_PLAIN = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0}  # as the layouts it meets
+TP2 = {"tensor_parallel_degree": 2}
+PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2}
+TRANSITIONS = [
+    (SDP2_PLAIN, [{}, PP2, TP2, SDP2_PLAIN]),
+    (TP2, [SDP2_PLAIN]),
+    ({"shard_optimizer_state": True}, [SDP2_PLAIN]),
+]
+
+
+def _save_and_resume(rank, world_size, folder):
+    test_checkpoint.TRANSITIONS[:] = TRANSITIONS  # this process's copy of the module: its transitions
+    return test_checkpoint._save_and_resume(rank, world_size, folder)
+
+
+def _resume_on_four(rank, world_size, folder):
+    """The sdp=2 checkpoint of 2 ranks resumed at sdp=4 and at sdp=2 with replicas (4 ranks)."""
+    import smp
+
+    expected = torch.load(f"{folder}/expected.pt", weights_only=True)
+    targets = [SDP2_PLAIN | {"sharded_data_parallel_degree": 4}, SDP2_PLAIN]
+    return [
+        (0, str(t), partial, *test_checkpoint._resume_on(smp, t, folder, partial, expected))
+        for t in targets
+        for partial in (True, False)
+    ]
+
+
+def test_sdp_checkpoints_move_between_layouts(tmp_path):
+    """Saved at sdp=2: resumed at plain dp, pp=2, tp=2, sdp=2, sdp=4 and hybrid sdp=2 on 4 ranks;
+    saved at tp=2 and at ZeRO-1: resumed at sdp=2. The state loads exactly; the remaining steps
+    match uninterrupted training on the saving layout."""
+    results = run_ranks(_save_and_resume, 2, str(tmp_path), timeout=600)[0]
+    results += run_ranks(_resume_on_four, 4, str(tmp_path / "0"), timeout=300)[0]
+    assert len(results) == 2 * (4 + 1 + 1) + 4, results
+    for i, target, partial, state_error, train_error in results:
+        assert state_error == 0.0, (i, target, partial, state_error)
+        assert train_error < 1e-5, (i, target, partial, train_error)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def _rejected(rank, world_size, config):
+    import smp
+
+    try:
+        smp.init(config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, ["set only one"]),
+        ({"sharded_data_parallel_degree": 4}, ["does not divide", "[1, 2]"]),
+        (
+            {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
+            ["tensor_parallel_degree=2", "shard_optimizer_state"],
+        ),
+        ({"sharded_data_parallel_degree": 2, "fp16": True}, ["bf16=True"]),
+        ({"sharded_data_parallel_degree": 2, "compile": True}, ["compile"]),
+    ],
+    ids=["with_zero1", "not_dividing", "with_tp", "fp16", "compile"],
+)
+def test_sdp_bad_input_is_a_clear_error(config, words):
+    for message in run_ranks(_rejected, 2, config, timeout=120):
+        assert message is not None and all(w in message for w in words), message
+
+
+def test_sdp_unmapped_keys_warn():
+    from smp import config as smp_config
+
+    with pytest.warns(UserWarning, match="sdp_reduce_bucket_size"):
+        smp_config.parse({"sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": 5e8})
+    with pytest.warns(UserWarning, match="sdp_hierarchical_allgather"):
+        smp_config.parse({"sharded_data_parallel_degree": 2, "sdp_hierarchical_allgather": True})
+    with pytest.raises(ValueError, match="sdp_max_live_parameters"):
+        smp_config.parse({"sdp_max_live_parameters": -1})
+    quiet = smp_config.parse({"sdp_reduce_bucket_size": 5e8, "sdp_hierarchical_allgather": True})
+    assert quiet.sdp_reduce_bucket_size == 500_000_000  # sdp off: accepted, nothing to say
