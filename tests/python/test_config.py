@@ -108,7 +108,7 @@ def test_sagemaker_environment_variable_is_read(monkeypatch):
             {"partitions": 2, "pipeline_parallel_degree": 4},
             "'partitions' (2) and 'pipeline_parallel_degree' (4) disagree",
         ),
-        ({"sharded_data_parallel_degree": 2}, "use shard_optimizer_state=True"),
+        ({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, "set only one of them"),
     ],
 )
 def test_bad_config_names_key_value_and_fix(config, message):

@@ -12,17 +12,22 @@ from smp import config as cfg
 NO_OP_KEYS = {
     "static_mode": True,
     "fast_mode": True,
-    "sdp_hierarchical_allgather": True,
-    "sdp_gradient_clipping": 1.0,
-    "sdp_reduce_bucket_size": int(5e8),
-    "sdp_param_persistence_threshold": int(1e6),
-    "sdp_max_live_parameters": int(1e9),
     "ddp_dist_backend": "auto",
     "checkpoint_attentions": False,
     "_match_weights": False,
     "_fp32_grad_accumulation": False,
     "deterministic_server": True,
     "fp16_params": False,
+}
+
+
+# SMP v1's sharded-data-parallel keys, with their defaults: config fields of smp's own sdp.
+SDP_KEYS = {
+    "sdp_hierarchical_allgather": True,
+    "sdp_gradient_clipping": 1.0,
+    "sdp_reduce_bucket_size": int(5e8),
+    "sdp_param_persistence_threshold": int(1e6),
+    "sdp_max_live_parameters": int(1e9),
 }
 
 
@@ -61,6 +66,7 @@ def test_notebook_config_parses():
         "auto_partition": True,
         "default_partition": None,
         "sharded_data_parallel_degree": 1,
+        **SDP_KEYS,
         **NO_OP_KEYS,
     }
     with warnings.catch_warnings():
@@ -88,6 +94,10 @@ def test_sagemaker_launcher_config_wins_over_the_script(monkeypatch):
     assert (c.pipeline_parallel_degree, c.microbatches, c.memory_weight, c.ddp) == (2, 4, 0.3, True)
 
 
-def test_sharded_data_parallelism_is_refused():
-    with pytest.raises(ValueError, match="sharded_data_parallel_degree=4 is not supported"):
-        cfg.parse({"sharded_data_parallel_degree": 4, "sdp_gradient_clipping": 1.0})
+@pytest.mark.parametrize("key", sorted(SDP_KEYS))
+def test_sdp_keys_default_to_smp_v1s_values_and_are_quiet_without_sdp(key):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = cfg.parse({"partitions": 1, key: SDP_KEYS[key]})
+    assert not [w for w in caught if key in str(w.message)]
+    assert c == cfg.Config() and getattr(c, key) == SDP_KEYS[key]
