@@ -376,13 +376,11 @@ def _check_sdp(config: Config) -> None:
             f"{head} already shards the optimizer state (with the parameters and gradients); "
             "shard_optimizer_state=True is its ZeRO-1 alternative: set only one of them"
         )
-    if config.pipeline_parallel_degree > 1 or config.tensor_parallel_degree > 1:
+    if config.schedule().splits_backward:
         raise ValueError(
-            f"{head} with pipeline_parallel_degree={config.pipeline_parallel_degree} and "
-            f"tensor_parallel_degree={config.tensor_parallel_degree}: smp's sharded data parallelism "
-            "runs the model whole on each rank (pipeline and tensor parallel degree 1). For a model "
-            "whose layers do not fit one GPU use tensor or pipeline parallelism with "
-            "shard_optimizer_state=True instead"
+            f"{head} with pipeline '{config.pipeline}': FSDP2 reduce-scatters a layer's gradients "
+            "when its backward ends, but this schedule computes weight gradients later; use "
+            "pipeline 'interleaved' or 'simple'"
         )
     if config.fp16:
         raise ValueError(

@@ -59,11 +59,19 @@ def build(
         tp_batch = combined_batch(config, groups, batch_size) if groups.tp_size > 1 else None
         pipe = _split_following(plan, captured, flags, config.colocate_shared_parameters, groups, tp_batch)
     checkpointed = {}
+
+    def checkpoint(gm) -> list[str]:
+        if not plan.checkpointing:
+            return []
+        return recompute.apply_to_stage(gm, list(plan.checkpointing), plan.offloader)
+
     for s in plan.own_stages:
         stage = pipe.stages[s]
         labels = []
-        if stage.module is not None and plan.checkpointing:
-            labels = recompute.apply_to_stage(stage.module, list(plan.checkpointing), plan.offloader)
+        if stage.module is not None and plan.sharded_data is not None:
+            stage.module, labels = plan.sharded_data.wrap_stage(s, stage.module, checkpoint)
+        elif stage.module is not None:
+            labels = checkpoint(stage.module)
         checkpointed[s] = tuple(labels)
         if stage.module is not None and config.compile is not None:
             stage.module = compiled.compile_stage(stage.module, config.compile)

@@ -87,7 +87,7 @@ class Engine:
         checks = (config.check_finite or config.debug) and not config.fp16
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
         self._whole = module  # what a forward calls when the model runs whole
-        if sharded:
+        if sharded and not self.captures:
             plan, self.sharded_data = place_sharded(module, config, groups)
             self.plan = plan
             self._buffers = replicas.BufferSlots(module)
@@ -145,6 +145,8 @@ class Engine:
         self._checkpointing.finish_step()
         if self.grad_sync is not None:
             self.grad_sync.finish_step(self._backward_ran, publish=not self._consumers)
+        if self.sharded_data is not None and self._backward_ran and self._accumulation.last_of_window:
+            self.sharded_data.finish_backward()  # (once per window: the sums add across steps)
         if self._finite is not None:
             named = self.module.named_parameters() if self._backward_ran else ()
             grads = [(n, params.applied_grad(p)) for n, p in named if not params.is_nonlocal(p)]
@@ -241,7 +243,8 @@ class Engine:
             args, kwargs, batch_size, signature, checkpointing.regions(), checkpointing.offloader
         )
         self._install(plan)
-        self._start_grad_sync()  # this step is under way
+        if self.grad_sync is not None:
+            self._start_grad_sync()  # this step is under way
         if self.config.debug:
             debug_report(plan, program, self.groups)
         _run_once(self._post_partition_hooks, self.optimizer)
@@ -249,6 +252,10 @@ class Engine:
     def _install(self, plan: Plan) -> None:
         self.plan = plan
         self._buffers = replicas.BufferSlots(self.module)
+        if plan.sharded_data is not None:  # FSDP2 averages the gradients
+            self.sharded_data = plan.sharded_data
+            self._trained.take(final=True)
+            return
         self.grad_sync = GradSync(
             list(self.module.parameters()),
             plan.grad_group,

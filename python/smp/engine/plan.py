@@ -30,7 +30,7 @@ from smp.passes.regions import Region
 from smp.pipeline import placement
 from smp.pipeline.partitioning import module_partitions
 from smp.schedules import Schedule
-from smp.sharded_data import ShardedModel, shard_model
+from smp.sharded_data import ShardedModel, shard_model, shard_stages
 from smp.tensor_parallel.coverage import CoverageReport
 from smp.tensor_parallel.marks import marked_modules
 from smp.tensor_parallel.shard import shard_modes
@@ -69,6 +69,8 @@ class Plan:
     offloader: recompute.ActivationOffloader | None = None
     # Checkpointed regions the partition cut in two (for `debug`).
     split_regions: tuple[str, ...] = ()
+    # Sharded data parallelism over the stages (FSDP2's units), or None.
+    sharded_data: ShardedModel | None = None
 
     def counts_in_norm(self, param: torch.Tensor, tp_rank: int) -> bool:
         """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
@@ -178,13 +180,21 @@ def make_plan(
             delayed_init.replace_in(graph_module, replaced)
     shared = replicas.shared_groups(captured.graph_module, partitions, schedule.stage_ranks, groups)
     grad_group = replicas.synchronize(module, set(specs), shared, groups)
+    stage_reads = _stage_reads(captured.graph_module, partition, own)
+    sharded = None
+    if config.sharded_data_parallel_degree > 1:  # FSDP2 over the sdp group averages the gradients
+        graphs = {s: [pipe.stages[s].module for pipe in pipes.values()] for s in own}
+        sharded, replaced = shard_stages(module, graphs, config, groups, device, tuple(shared))
+        specs = {id(replaced[k]) if k in replaced else k: v for k, v in specs.items()}
+        shared = list(sharded.shared)
+        grad_group = None
     plan = Plan(
         schedule,
         groups.pp_rank,
         device,
         specs,
         tuple(shared),
-        _stage_reads(captured.graph_module, partition, own),
+        stage_reads,
         grad_group,
         partition,
         skeleton,
@@ -195,7 +205,10 @@ def make_plan(
         tuple(checkpointing),
         offloader,
         _split_regions(captured, partition, checkpointing),
+        sharded,
     )
+    if sharded is not None:
+        sharded.counts = lambda p: plan.counts_in_norm(p, groups.tp_rank)
     return plan, pipes
 
 

@@ -11,6 +11,7 @@ import contextlib
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class _Saved:
@@ -21,8 +22,14 @@ class _Saved:
 
 
 def parameter_storages(parameters) -> set[int]:
-    """The storages of these parameters: a saved tensor in one of them is a weight, not an activation."""
-    return {p.untyped_storage().data_ptr() for p in parameters}
+    """The storages of these parameters: a saved tensor in one of them is a weight, not an activation.
+    (A sharded parameter's is its local shard's; the gathered copies FSDP2 makes count as weights
+    only while they are parameters of a module, so they are not listed here.)"""
+    return {_local(p).untyped_storage().data_ptr() for p in parameters}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 class SavedActivationMeter:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -30,31 +31,107 @@ from smp import params as param_facts
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.groups import ParallelGroups
-from smp.sharded_data import tensors, units
+from smp.sharded_data import stages, tensors, units
 
 # Initializes the meta tensors of a module at a path (delayed parameter initialization).
 Materialize = Callable[[nn.Module, str], None]
 
 
 class ShardedModel:
-    """A module under FSDP2 over the sdp group: its units, and what the optimizer asks of it."""
+    """A model under FSDP2 over the sdp group, and what the optimizer and engine ask of it.
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, layers: list[tuple[str, nn.Module]], clip: float):
-        self.module, self.mesh, self.layers, self.clip = module, mesh, layers, clip
+    `counts` (with pipeline or tensor parallelism): whether this rank counts a parameter in a
+    global norm, summed over `norm_groups` (the pipeline and tensor-parallel groups); `shared`:
+    (name, parameter, group) of parameters whose copies on several pipeline ranks add their
+    gradients; `stage_calls`: per stage, what runs its graphs (smp.sharded_data.stages)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        clip: float,
+        counts: Callable[[torch.Tensor], bool] | None = None,
+        norm_groups: tuple[dist.ProcessGroup, ...] = (),
+        shared: tuple = (),
+        stage_units: dict | None = None,
+    ):
+        self.module, self.mesh, self.clip = module, mesh, clip
+        self.counts, self.norm_groups, self.shared = counts, norm_groups, shared
+        self.stage_units = stage_units or {}
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the sharded gradients by their global norm over the whole model (a collective over
-        the sdp group); returns the norm."""
+        the sdp group, and the pipeline and tensor-parallel groups); returns the norm."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-        norm = tensors.whole(norm)  # the DTensor of partial norms, reduced
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        counted = [p.grad for p in params if self.counts is None or self.counts(p)]
+        device = params[0].device if params else torch.device("cpu")
+        norm = torch.zeros((), device=device)
+        if counted:
+            norm = tensors.whole(torch.nn.utils.get_total_norm(counted, norm_type)).to(device)
+        norm = _combined_norm(norm, norm_type, self.norm_groups)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def clip_before_step(self) -> None:
         """SMP v1's sdp_gradient_clipping, applied before every optimizer step (<= 0: off)."""
         if self.clip > 0:
             self.clip_grad_norm(self.clip)
+
+    def wrap_stage(
+        self, stage: int, gm: fx.GraphModule, recompute: Callable[[fx.GraphModule], list[str]]
+    ) -> tuple[nn.Module, list[str]]:
+        """What runs stage `stage`'s graph `gm` (any signature's) under its units: the graph reads the
+        sharded parameters through the module, each layer unit's nodes are outlined into calls of
+        it, and `recompute` (activation checkpointing) applies to the layers' bodies and the rest.
+        Returns it and the checkpointed regions' labels."""
+        unit, layer_units = self.stage_units[stage]
+        managed = {
+            str(n.target)
+            for n in gm.graph.nodes
+            if n.op == "get_attr" and self._is_sharded_param(str(n.target))
+        }
+        stages.read_through_owner(gm, self.module, managed)
+        labels: list[str] = []
+        for i, (path, layer_unit) in enumerate(layer_units):
+            calls = stages.outline_layer(gm, path, layer_unit, self.module, f"smp_sharded_{i}")
+            outside = stages.reads_outside(gm, path)
+            if outside:
+                raise RuntimeError(
+                    f"smp: sharded data parallelism: stage {stage} reads {outside[:3]} of layer {path} "
+                    "outside that layer; a layer's parameters must be used only inside it (untie them, "
+                    "or set sharded_data_parallel_degree=1)"
+                )
+            for call in calls:
+                labels += recompute(call.body)
+        labels += recompute(gm)
+        return stages.StageCall(unit, gm), labels
+
+    def _is_sharded_param(self, name: str) -> bool:
+        try:
+            return tensors.is_sharded(self.module.get_parameter(name))
+        except AttributeError:
+            return False
+
+    def finish_backward(self) -> None:
+        """After a step's backward: the copies of a parameter shared by pipeline ranks add their
+        (sharded, already averaged) gradients."""
+        for _, p, group in self.shared:
+            if p.grad is not None:
+                dist.all_reduce(tensors.local(p.grad), group=group)
+
+
+def _combined_norm(norm: torch.Tensor, norm_type: float, groups) -> torch.Tensor:
+    if not groups:
+        return norm
+    if norm_type == float("inf"):
+        for group in groups:
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    total = norm.double() ** norm_type
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    return (total ** (1.0 / norm_type)).to(norm.dtype)
 
 
 def shard_model(
@@ -78,9 +155,7 @@ def shard_model(
         )
     mesh = _mesh(groups, device)
     layers = units.layer_units(module)
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if config.bf16 else None, reduce_dtype=torch.float32
-    )
+    policy = _policy(config)
     threshold = config.sdp_param_persistence_threshold
     for path, layer in [*layers, ("", module)]:
         if materialize is not None:
@@ -88,18 +163,94 @@ def shard_model(
         own = units.numel(layer) - sum(units.numel(m) for _, m in layers if layer is module)
         _shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=own >= threshold)
     _prefetch(layers, units.prefetch_depth(config.sdp_max_live_parameters, layers))
-    return ShardedModel(module, mesh, layers, config.sdp_gradient_clipping)
+    return ShardedModel(module, mesh, config.sdp_gradient_clipping)
 
 
-def _shard(unit: nn.Module, **options) -> None:
+def shard_stages(
+    module: nn.Module,
+    stage_graphs: dict[int, list[fx.GraphModule]],
+    config: Config,
+    groups: ParallelGroups,
+    device: torch.device,
+    shared: tuple,
+) -> tuple[ShardedModel, dict[int, nn.Parameter]]:
+    """Shards this rank's part of a captured model (its stages' parameters, its tensor-parallel
+    shards) over the sdp group: each layer whose parameters one stage holds is a LayerUnit, the
+    rest of each stage its StageUnit. `stage_graphs`: each own stage's graphs (every mode's), which
+    then read the parameters through the module. Returns the model and id(old parameter) -> new."""
+    mesh = _mesh(groups, device)
+    policy = _policy(config)
+    threshold = config.sdp_param_persistence_threshold
+    reads = _stage_reads(stage_graphs)
+    replaced: dict[int, nn.Parameter] = {}
+    stage_units = {}
+    for s, named in reads.items():
+        own = {id(p) for p in named.values()}
+        layer_units = []
+        for path, layer in units.layer_units(module):
+            local = list(layer.parameters())
+            if local and all(id(p) in own for p in local):
+                unit = stages.LayerUnit(layer)
+                replaced |= _shard(
+                    unit, mesh=mesh, mp_policy=policy, reshard_after_forward=units.numel(layer) >= threshold
+                )
+                layer_units.append((path, unit))
+        rest = [p for p in named.values() if id(p) not in replaced]
+        unit = stages.StageUnit(module, [u for _, u in layer_units])
+        ignored = {p for p in module.parameters()} - set(rest)
+        keep = sum(p.numel() for p in rest) >= threshold
+        replaced |= _shard(
+            unit, mesh=mesh, mp_policy=policy, reshard_after_forward=keep, ignored_params=ignored
+        )
+        _prefetch(layer_units, units.prefetch_depth(config.sdp_max_live_parameters, layer_units))
+        stage_units[s] = (unit, layer_units)
+    shared = tuple((name, replaced.get(id(p), p), group) for name, p, group in shared)
+    norm_groups = (groups.pp, groups.tp)
+    # (which parameters count in a norm: the plan says, once made; see make_plan)
+    sharded = ShardedModel(module, mesh, config.sdp_gradient_clipping, None, norm_groups, shared, stage_units)
+    return sharded, replaced
+
+
+def _stage_reads(stage_graphs: dict[int, list[fx.GraphModule]]) -> dict[int, dict[str, nn.Parameter]]:
+    """Per stage, the parameters its graphs read (by name); one stage of this rank per parameter."""
+    reads: dict[int, dict[str, nn.Parameter]] = {}
+    holder: dict[int, int] = {}
+    for s, graphs in stage_graphs.items():
+        reads[s] = {}
+        for gm in graphs:
+            reads[s] |= stages.stage_parameters(gm)
+        for name, p in reads[s].items():
+            if holder.setdefault(id(p), s) != s:
+                raise ValueError(
+                    f"smp: sharded_data_parallel_degree > 1: parameter {name} is read by stages "
+                    f"{holder[id(p)]} and {s}, both on this rank; sharded data parallelism gathers each "
+                    "stage's parameters on their own. Set colocate_shared_parameters=True (every user "
+                    "of a shared parameter on one stage) or untie the parameter"
+                )
+    return reads
+
+
+def _policy(config: Config) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if config.bf16 else None, reduce_dtype=torch.float32
+    )
+
+
+def _shard(unit: nn.Module, **options) -> dict[int, nn.Parameter]:
     """fully_shard(unit): its parameters become new (DTensor) Parameters, which an optimizer built
-    from the old ones follows (smp.params)."""
+    from the old ones follows (smp.params). Returns id(old) -> new."""
     before = dict(unit.named_parameters(remove_duplicate=False))
     fully_shard(unit, **options)
     after = dict(unit.named_parameters(remove_duplicate=False))
+    replaced = {}
     for name, old in before.items():
-        if after[name] is not old:
+        if after[name] is not old and id(old) not in replaced:
             param_facts.mark_moved(old, after[name])
+            replaced[id(old)] = after[name]
+            # FSDP2 copied this rank's rows: free the whole, which stage graphs captured earlier
+            # still reference (they read through the module from now on)
+            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+    return replaced
 
 
 def _mesh(groups: ParallelGroups, device: torch.device) -> DeviceMesh:
