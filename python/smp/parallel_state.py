@@ -22,7 +22,7 @@ from smp import devices, faults
 from smp._backend import BACKEND_NAME
 from smp.config_options import check_timeout
 from smp.groups import ParallelGroups
-from smp.services import timeline
+from smp.services import microbatch, timeline
 from smp.topology import CommGroup, Topology
 
 
@@ -248,6 +248,7 @@ def reset(keep_groups: bool = False) -> None:
     kept = [(g, m) for g, m in _kept.values()]
     _kept.clear()
     _forget_dtensor_layouts()
+    microbatch.retire_threads()  # (their thread-local DTensor caches too)
     for groups, messaging in [(_state.process_groups, _state.messaging_group), *kept]:
         mine = [g for kind, g in groups.items() if kind is not CommGroup.WORLD]
         for group in dict.fromkeys([*mine, messaging]):

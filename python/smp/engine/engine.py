@@ -59,8 +59,10 @@ class Engine:
         self.schedule = config.schedule()
         self.dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
         sharded = config.sharded_data_parallel_degree > 1
-        if self.dtype is not None and not sharded:  # (FSDP2 gathers bf16 copies of fp32 shards)
+        if self.dtype is not None and not sharded:
             module.to(self.dtype)  # half-precision parameters and activations; fp32 masters in the optimizer
+        elif self.dtype is not None and self.captures:  # FSDP2 gathers bf16 copies of fp32 shards;
+            _cast_floating_buffers(module, self.dtype)  # the graphs are captured in bf16
         params.refresh(module)
         self._average_microbatches = average_grads_across_microbatches
         self._bucket_cap_mb = bucket_cap_mb
@@ -327,6 +329,13 @@ class Engine:
     def state(self) -> model_state.ModelState:
         """The model's state as the original module's, in the layout of now (state dicts, checkpoints)."""
         return model_state.ModelState(self.module, self.state_keys, self.shard_specs, self.groups)
+
+
+def _cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    for owner in module.modules():
+        for name, t in owner._buffers.items():
+            if t is not None and t.is_floating_point():
+                owner._buffers[name] = t.to(dtype)
 
 
 def _run_once(hooks: list[Callable], optimizer) -> None:

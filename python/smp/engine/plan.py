@@ -142,10 +142,17 @@ def make_plan(
         args, kwargs = delayed_init.to_meta((args, kwargs))
     else:
         module.to(device)
-    skeleton = Skeleton(module)  # before anything is freed or sharded
+    # Sharded data parallelism under bf16 keeps fp32 parameters and computes in bf16: the graphs
+    # are captured in bf16, on the skeleton's metas.
+    in_bf16 = config.sharded_data_parallel_degree > 1 and config.bf16
+    skeleton = Skeleton(module, torch.bfloat16 if in_bf16 else None)  # before anything is freed or sharded
     retarget = device if delayed else None
     schedule = config.schedule()
     own = schedule.rank_stages(groups.pp_rank)
+
+    def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
+        return _capture_on(module, args, kwargs, retarget, device, skeleton if in_bf16 else None)
+
     captured = _capture(module, args, kwargs, retarget)
     partition = placement.plan_stages(
         captured,
@@ -242,8 +249,23 @@ def _split_regions(captured, partition: passes.PartitionPlan, checkpointing) -> 
     return tuple(lines)
 
 
-def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
-    captured = passes.capture(module, args, kwargs)
+def _capture_on(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    retarget: torch.device | None,
+    device: torch.device,
+    skeleton: Skeleton | None,
+):
+    """The module's graph; with `skeleton`, captured on its metas (their dtypes) and then reading
+    the module's own tensors."""
+    if skeleton is None:
+        captured = passes.capture(module, args, kwargs)
+    else:
+        with skeleton.swapped_in():
+            captured = passes.capture(module, *delayed_init.to_meta((args, kwargs)))
+        delayed_init.replace_in(captured.graph_module, skeleton.holders())
+        retarget = device
     if retarget is not None:
         delayed_init.retarget(captured.graph_module, retarget)
     return captured

@@ -22,7 +22,9 @@ class Skeleton:
     """Every parameter and buffer slot of a module, with a meta tensor of the tensor's full shape
     (tied tensors share theirs), taken before the module was partitioned."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+        """`compute_dtype`: the metas of floating-point parameters have it (sharded data parallelism
+        keeps fp32 parameters that compute in bf16: graphs are captured as they run)."""
         self.module = module  # what later signatures are captured on, with the metas swapped in
         self._slots: list[tuple[nn.Module, str, str, torch.Tensor]] = []
         self._path: dict[int, str] = {}  # id(meta tensor) -> its first name in the module
@@ -35,7 +37,8 @@ class Skeleton:
                     if t is None:
                         continue
                     if id(t) not in metas:
-                        metas[id(t)] = _meta_like(t)
+                        dtype = compute_dtype if compute_dtype and table == "_parameters" else None
+                        metas[id(t)] = _meta_like(t, dtype if t.is_floating_point() else None)
                         self._metas.append(metas[id(t)])
                         self._path[id(metas[id(t)])] = f"{prefix}.{name}" if prefix else name
                         self._slot[id(metas[id(t)])] = (owner, table, name)
@@ -54,6 +57,10 @@ class Skeleton:
         finally:
             for owner, table, name, t in saved:
                 getattr(owner, table)[name] = t
+
+    def holders(self) -> dict[int, torch.Tensor]:
+        """id(meta) -> the tensor in its slot now (what a graph captured on the metas reads)."""
+        return {id(meta): self.local(meta) for meta in self._metas}
 
     def local(self, meta: torch.Tensor) -> torch.Tensor | None:
         """The tensor this rank holds now in the slot `meta` stands for (None: freed here)."""
@@ -93,8 +100,8 @@ def make_real(stage_module: nn.Module, skeleton: Skeleton, stage: int) -> None:
                 slots[name] = real
 
 
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+def _meta_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    meta = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
     if isinstance(t, nn.Parameter):
         return nn.Parameter(meta, requires_grad=t.requires_grad)
     return meta

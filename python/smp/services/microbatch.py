@@ -35,6 +35,7 @@ class _Worker:
 
     _idle: list[_Worker] = []
     _lock = threading.Lock()
+    _generation = 0
 
     def __init__(self):
         self._job: Callable[[], None] | None = None
@@ -49,13 +50,34 @@ class _Worker:
         worker._job = job
         worker._ready.release()
 
+    @classmethod
+    def retire_all(cls) -> None:
+        """Idle workers end; busy ones end after their job. A thread keeps thread-local state
+        (torch's DTensor layout caches, which name process groups): after smp is reset, its
+        next jobs run on new threads."""
+        with cls._lock:
+            idle, cls._idle = cls._idle, []
+            cls._generation += 1
+        for worker in idle:
+            worker._ready.release()  # with no job: the thread ends
+
     def _loop(self) -> None:
+        generation = self._generation
         while True:
             self._ready.acquire()
             job, self._job = self._job, None
+            if job is None:
+                return
             job()
             with self._lock:
+                if generation != _Worker._generation:
+                    return
                 self._idle.append(self)
+
+
+def retire_threads() -> None:
+    """Later microbatches run on new threads (smp.parallel_state.reset calls it)."""
+    _Worker.retire_all()
 
 
 class Microbatch:
