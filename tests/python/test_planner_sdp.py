@@ -11,7 +11,6 @@ import json
 import pytest
 import smp
 from smp.planner import cli, memory, model_facts, step_time
-from smp.planner import layout as layout_module
 from smp.planner.layout import Layout, from_config
 from smp.planner.walk import sdp_degrees
 
@@ -170,22 +169,10 @@ WIDE = {**TEN_B, "n_embd": 16384, "n_layer": 16, "n_head": 128}
 WIDE_JOB = {"seq_len": 512, "global_batch": 64, "gpus": 64, "gpus_per_node": 8, "gpu_memory": "26GiB"}
 
 
-def test_layers_that_do_not_fit_one_gpu_go_to_tensor_parallelism_and_sdp_stays_out():
-    """While smp's engine runs sdp with pp = tp = 1 only, the walk proposes no sdp with either."""
-    assert layout_module.SDP_COMPOSES_WITH_MODEL_PARALLEL is False
+def test_layers_that_do_not_fit_one_gpu_take_tensor_parallelism_then_sdp_before_pp():
     result = smp.plan(WIDE, **WIDE_JOB)
-    assert not any(c.layout.sdp > 1 for c in result.candidates)
     notes = "\n".join(result.notes)
     assert "sharded data parallelism: skipped, the layers themselves do not fit one GPU: even sdp=64" in notes
-    assert "4. tensor parallelism 8, sharded data parallelism: skipped (" in notes
-    assert "only with pipeline_parallel_degree 1 and tensor_parallel_degree 1 (got 1 and 8)" in notes
-    config = result.recommended
-    assert config["pipeline_parallel_degree"] > 1 and config["sharded_data_parallel_degree"] == 1
-
-
-def test_where_the_engine_composes_them_sdp_comes_after_tp_and_before_pp(monkeypatch):
-    monkeypatch.setattr(layout_module, "SDP_COMPOSES_WITH_MODEL_PARALLEL", True)
-    result = smp.plan(WIDE, **WIDE_JOB)
     config = result.recommended
     assert config == {
         **config,
@@ -248,8 +235,8 @@ ARGS = ("--seq-len", "512", "--global-batch", "1280", "--gpus", "128", "--gpu-me
         ),
         ({"sharded_data_parallel_degree": 2, "fp16": True}, 'set "bf16": true instead of "fp16"'),
         (
-            {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2},
-            "only with pipeline_parallel_degree 1 and tensor_parallel_degree 1 (got 2 and 1)",
+            {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "pipeline": "zero_bubble"},
+            "use pipeline 'interleaved' or 'simple'",
         ),
         ({"sharded_data_parallel_degree": 0}, "sharded_data_parallel_degree must be a positive integer"),
         ({"sharded_data_parallel_degre": 2}, "did you mean 'sharded_data_parallel_degree'?"),

@@ -12,16 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from smp import config as smp_config
+from smp import schedules
 from smp.recompute.requests import group_size
 
 CHECKPOINTING_KEY = "activation_checkpointing"
 RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp * tp)
 SDP_KEY = "sharded_data_parallel_degree"
-# smp's engine shards data parallelism (FSDP2) only with pipeline_parallel_degree 1 and
-# tensor_parallel_degree 1 for now. The memory and time models are written for the general case
-# (sdp shards a rank's TP shard of its stage); this one switch keeps the walk and --layout from
-# proposing what the engine cannot run. Turn it on when the engine composes them.
-SDP_COMPOSES_WITH_MODEL_PARALLEL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,11 +183,10 @@ def sdp_problem(layout: Layout) -> str:
             f"{SDP_KEY} {n}: smp's sharded data parallelism runs in fp32 or bf16, not fp16; "
             'set "bf16": true instead of "fp16", or sharded_data_parallel_degree to 1'
         )
-    if (layout.pp > 1 or layout.tp > 1) and not SDP_COMPOSES_WITH_MODEL_PARALLEL:
+    if layout.pp > 1 and schedules.Schedule(layout.pipeline, layout.pp, 1, 1).splits_backward:
         return (
-            f"{SDP_KEY} {n}: smp runs sharded data parallelism only with pipeline_parallel_degree 1 and "
-            f"tensor_parallel_degree 1 (got {layout.pp} and {layout.tp}); set both to 1, or "
-            "sharded_data_parallel_degree to 1"
+            f"{SDP_KEY} {n} with pipeline '{layout.pipeline}': its weight gradients come after FSDP2 "
+            "reduce-scatters them; use pipeline 'interleaved' or 'simple'"
         )
     return ""
 

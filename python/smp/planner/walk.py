@@ -13,8 +13,8 @@ configuration that fits.
      left is per layer, which only tensor parallelism cuts), nor under fp16 (smp's sdp runs in
      fp32 or bf16);
    - tensor parallelism: a power of two (2, 4, 8, ...) at most the GPUs per node, dividing the
-     attention heads (and key/value heads), with prescaled_batch on; then, where the engine
-     composes them (layout.SDP_COMPOSES_WITH_MODEL_PARALLEL), sdp over the largest TP layout.
+     attention heads (and key/value heads), with prescaled_batch on; then sdp over the largest
+     TP layout.
 5. Pipeline parallelism across nodes (the largest TP degree from step 4 stays inside a node):
    pp = 2, 4, ...; for each, microbatches from the smallest that fills the pipeline up
    (smaller microbatches, less memory each), then fewer active_microbatches.
