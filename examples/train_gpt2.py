@@ -44,6 +44,13 @@ def parse_args() -> argparse.Namespace:
     layout.add_argument("--microbatches", type=int, default=4)
     layout.add_argument("--schedule", choices=SCHEDULES, default="interleaved")
     layout.add_argument("--shard-optimizer-state", action="store_true", help="ZeRO-1 over the replicas")
+    layout.add_argument(
+        "--sdp",
+        type=int,
+        default=1,
+        help="sharded data parallel degree: parameters, gradients and optimizer state sharded over this "
+        "many replicas (FSDP2; divides rdp; --clip is then sdp_gradient_clipping)",
+    )
     layout.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master weights")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=300)
@@ -144,6 +151,8 @@ def main() -> None:
             "pipeline": args.schedule,
             "ddp": True,
             "shard_optimizer_state": args.shard_optimizer_state,
+            "sharded_data_parallel_degree": args.sdp,
+            "sdp_gradient_clipping": args.clip,  # (used only under sdp, before each optimizer step)
             "bf16": args.bf16,
             "timeline": _timeline(args),
             "compile": args.compile,
@@ -197,7 +206,7 @@ def main() -> None:
         ids, mask, labels = (t.to(device) for t in next(stream))
         optimizer.zero_grad()
         loss = train_step(ids, mask, labels).reduce_mean().detach()
-        if args.clip:
+        if args.clip and args.sdp == 1:  # (under sdp, smp clips at sdp_gradient_clipping)
             optimizer.clip_master_grads(args.clip)
         optimizer.step()
         schedule.step()
@@ -269,7 +278,7 @@ def _open_log(args, start: int, n_params: int, rdp: int):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"GPT-2 {n_params / 1e6:.2f}M parameters, pp={args.pp} tp={args.tp} rdp={rdp}, "
+        f"GPT-2 {n_params / 1e6:.2f}M parameters, pp={args.pp} tp={args.tp} rdp={rdp} sdp={args.sdp}, "
         f"{args.microbatches} microbatches ({args.schedule}), on {device_name()}",
         flush=True,
     )

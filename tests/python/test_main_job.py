@@ -82,3 +82,28 @@ def test_main_job_smoke(tmp_path):
     rows = (out_dir / "log.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[-3:]] == ["8", "9", "10"], rows
     assert float(rows[-2].split(",")[1]) < losses[0] - 1.0, rows
+
+
+def test_main_job_sdp(tmp_path):
+    """The main job with --sdp 2 over two pipeline stages (4 processes): it trains (sharded data
+    parallelism clipping at --clip), checkpoints and resumes."""
+    out_dir, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    common = (
+        "--pp",
+        "2",
+        "--tp",
+        "1",
+        "--sdp",
+        "2",
+        "--out-dir",
+        str(out_dir),
+        "--checkpoint-dir",
+        str(ckpt),
+    )
+    out = run_torchrun("examples/train_gpt2.py", 4, "--steps", "8", "--log-every", "1", *common, timeout=300)
+    assert "pp=2 tp=1 rdp=2 sdp=2" in out and "done: 8 steps" in out, out
+    losses = [float(r.split(",")[1]) for r in (out_dir / "log.csv").read_text().splitlines()[1:]]
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0, losses
+    out = run_torchrun("examples/train_gpt2.py", 4, "--steps", "9", "--log-every", "1", *common, timeout=300)
+    last = (out_dir / "log.csv").read_text().splitlines()[-1].split(",")
+    assert last[0] == "9" and float(last[1]) < losses[0] - 1.0, last
