@@ -55,14 +55,23 @@ def _composed(rank, world_size):
     options = {"clip": CLIP, "clipped_by_config": True}
     for case, steps, batch in CASES:
         out.append((case, pipeline_cases.train_smp(rank, world_size, case, configs, steps, batch, options)))
+    tracked = options | {"track_activations": True}
+    for checkpoint in ({}, {"blocks": "each"}):  # checkpointed layers recompute inside their units
+        runs = pipeline_cases.train_smp(
+            rank, world_size, "gpt", [sdp_pp], 3, 8, tracked | {"checkpoint": checkpoint}
+        )
+        out.append((f"gpt checkpointing {checkpoint}", runs))
     return out
 
 
 def test_sdp_composes_with_tensor_and_pipeline_parallelism():
     """sdp=2 x tp=2 and sdp=2 x pp=2 (4 ranks) on the repo's GPT, HF GPT-2 and Llama: fp32 within
     1e-5 (HF: 1e-4) of one process, with the clipped global norm over every stage and shard; bf16
-    within 3%."""
-    for case, runs in run_ranks(_composed, 4, timeout=900)[0]:
+    within 3%; checkpointed layers (sdp x pp) keep less than half the activations, with parity."""
+    results = run_ranks(_composed, 4, timeout=900)[0]
+    (_, (whole,)), (_, (checkpointed,)) = results[-2:]
+    assert checkpointed["activation_peak"] < 0.5 * whole["activation_peak"], (whole, checkpointed)
+    for case, runs in results:
         tol = 1e-4 if case.startswith("hf_") else 1e-5
         for r in runs:
             if r["config"].bf16:
@@ -283,3 +292,36 @@ def test_sdp_unmapped_keys_warn():
         smp_config.parse({"sdp_max_live_parameters": -1})
     quiet = smp_config.parse({"sdp_reduce_bucket_size": 5e8, "sdp_hierarchical_allgather": True})
     assert quiet.sdp_reduce_bucket_size == 500_000_000  # sdp off: accepted, nothing to say
+
+
+def _delayed_composed(rank, world_size):
+    """Delayed initialization with tensor or pipeline parallelism: this rank's part materialized,
+    then sharded over the sdp group; losses per config."""
+    import smp
+
+    out = []
+    off = {"sdp_gradient_clipping": 0}
+    configs = [SDP2_TP2 | off, TP2, SDP2_PP2 | off, PP2]
+    for config in configs:
+        smp.init(config)
+        with smp.tensor_parallelism(smp.tp_size() > 1), smp.delay_param_initialization():
+            net = pipeline_cases.models.GPT(layers=2)
+        model = smp.DistributedModel(net)
+        opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+        train_step = _lm_step(smp, model)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(smp.dp_rank()))
+            losses.append(train_step(ids).reduce_mean().item())
+            opt.step()
+        out.append(losses)
+        smp.parallel_state.reset()
+    return out
+
+
+def test_sdp_delayed_initialization_with_tensor_and_pipeline_parallelism():
+    """sdp=2 x tp=2 trains as tp=2 alone, and sdp=2 x pp=2 as pp=2 alone, from the same delayed
+    initialization (the same seeds per module path, this rank's part only)."""
+    for sdp_tp, tp, sdp_pp, pp in run_ranks(_delayed_composed, 4, timeout=300):
+        assert sdp_tp == pytest.approx(tp, rel=1e-5) and sdp_pp == pytest.approx(pp, rel=1e-5)
