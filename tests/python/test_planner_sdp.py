@@ -4,15 +4,14 @@ its errors, and the Layout <-> config round trip."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
 import smp
-from smp.planner import cli, memory, model_facts, step_time
+from smp.planner import memory, model_facts, step_time
 from smp.planner.layout import Layout, from_config
 from smp.planner.walk import sdp_degrees
+from test_plan import _cli
 
 # A small GPT-2 whose counts are easy to do by hand (hidden h = 64, tied head):
 # one layer: attention 4h^2 + 4h = 16640, MLP 8h^2 + 5h = 33088, two LayerNorms 4h = 256: 49984;
@@ -198,13 +197,6 @@ def test_layout_round_trips_through_the_config_dict():
     assert from_config(plain.smp_config(), 8) == plain
     assert from_config({}, 8).sdp == 1
     assert "sdp=4" in sharded.describe() and "sdp" not in plain.describe()
-
-
-def _cli(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(list(args))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture
