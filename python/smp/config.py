@@ -27,6 +27,7 @@ from smp.config_options import (
     check_timeline,
     check_timeout,
     type_error,
+    warn_unmapped_sdp_keys,
 )
 
 DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
@@ -56,13 +57,7 @@ LEGACY_NO_OP_KEYS = {
     "fp16_params": "asked for fp16 distributed parameters; smp's parameter dtype follows 'fp16' / "
     "'bf16' (set 'fp16': true)",
 }
-# sdp_* keys FSDP2 has no counterpart for: given with sharded_data_parallel_degree > 1, they warn.
-SDP_UNMAPPED = {
-    "sdp_reduce_bucket_size": "FSDP2 reduce-scatters each sharded unit's (layer's) gradients as one "
-    "collective, so the unit is the bucket; there is no bucket size to set",
-    "sdp_hierarchical_allgather": "FSDP2 all-gathers each unit over the sdp group in one collective "
-    "(NCCL picks its own algorithm across nodes); there is no two-level all-gather to turn on",
-}
+
 ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
 # Keys whose null means "SMP's default" (SMP's own config had default_partition: None).
 NULL_MEANS_DEFAULT = ("default_partition",)
@@ -239,7 +234,7 @@ def parse(config: Mapping[str, Any] | None = None) -> Config:
         merged["timeline"] = {"path": os.environ[TIMELINE_VAR]}
     values = {name: _check_value(name, value) for name, value in merged.items()}
     config = _check_combination(Config(**values))
-    warn_unmapped_sdp_keys(merged, config)
+    warn_unmapped_sdp_keys(merged, config.sharded_data_parallel_degree)
     return config
 
 
@@ -392,12 +387,3 @@ def _check_sdp(config: Config) -> None:
             f"{head} with compile: smp does not compile a sharded model yet (FSDP2's hooks sit "
             "between the layers); remove 'compile' or set sharded_data_parallel_degree=1"
         )
-
-
-def warn_unmapped_sdp_keys(given: Mapping[str, Any], config: Config) -> None:
-    """The sdp_* keys a script set that FSDP2 cannot honour (only when sdp is on)."""
-    if config.sharded_data_parallel_degree == 1:
-        return
-    for key, why in SDP_UNMAPPED.items():
-        if key in given and not (key == "sdp_hierarchical_allgather" and given[key] is False):
-            warnings.warn(f"smp config: '{key}' has no effect: {why}", stacklevel=4)

@@ -146,8 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         returns that norm. A collective: call it on every rank."""
         grad_norm.check_norm_type(norm_type, "clip_master_grads")
         self._localize()
-        if self._engine.sharded_data is not None:  # the sharded gradients: FSDP2's, fp32
-            return self._engine.sharded_data.clip_grad_norm(max_norm, norm_type)
+        if (sharded := self._engine.sharded_data) is not None:  # FSDP2's fp32 sharded gradients
+            return sharded.clip_grad_norm(max_norm, norm_type)
         counts = self._engine.counts_in_norm
         first_replica = self._engine.groups.rdp_rank == 0
         if self._flat is not None:
@@ -314,15 +314,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _localize(self) -> None:
         """Once, after partitioning: holds this rank's tensor-parallel shards in place of the full
-        parameters, drops the parameters partitioning moved to other stages, and sets up the
-        flat master state when the config shards optimizer state or trains in bf16/fp16."""
+        parameters, drops the parameters partitioning moved to other stages, and sets up the flat
+        master state when the config shards optimizer state or trains in bf16/fp16 (not under
+        sharded data parallelism: FSDP2's fp32 shards are the masters)."""
         if self._localized or not self._engine.partitioned:
             return
         _follow_moves(self.optimizer, self._engine.state.local_part)
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if not param_facts.is_nonlocal(p)]
         cfg, groups = self._engine.config, self._engine.groups
-        # (under sharded data parallelism the parameters are fp32 shards already: no flat state)
         if (cfg.shard_optimizer_state or cfg.bf16 or cfg.fp16) and self._engine.sharded_data is None:
             self._engine.fix_trained_parameters()  # the flat state holds those requiring grad now
             for group in self.optimizer.param_groups:
