@@ -93,3 +93,38 @@ def test_pipeline_optimizer_before_wrap_and_gradient_accumulation():
 def test_tensor_parallel_optimizer_state_follows_the_shards():
     results = run_ranks(_train, 2, {"tensor_parallel_degree": 2, "microbatches": 2}, True, timeout=240)
     _check(results, 2)
+
+
+def _kept_after_steps(rank, world_size, backward: bool):
+    """Whether a step's input batch is still alive after the step (its output dropped)."""
+    import gc
+    import weakref
+
+    import smp
+
+    smp.init({"ddp": True})
+    model = smp.DistributedModel(models.GPT(layers=1))
+
+    @smp.step
+    def step(ids):
+        loss = models.lm_loss(model(ids), ids)
+        if backward:
+            model.backward(loss)
+        return loss
+
+    kept = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 16))
+        ref = weakref.ref(ids)
+        step(ids)
+        del ids
+        gc.collect()
+        kept.append(ref() is not None)
+    return kept
+
+
+def test_a_step_keeps_nothing_of_its_microbatches():
+    """A step's inputs, outputs and (without a backward, under grad mode) activations are freed
+    once it returns: nothing holds the microbatch in a cycle through a tensor's hooks."""
+    for backward in (True, False):
+        assert run_ranks(_kept_after_steps, 1, backward, timeout=120) == [[False, False, False]]

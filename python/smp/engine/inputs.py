@@ -4,6 +4,7 @@ the backward from."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.utils import _pytree as pytree
@@ -48,15 +49,19 @@ def output_gradients(tensors: list[torch.Tensor], grad_tensors: list, scale: flo
 def guarded(outputs, mb):
     """The model's outputs, a backward into which that did not come through model.backward is an
     error: the step function called loss.backward(), which skips smp's backward (the pipeline's
-    gradient messages, loss scaling, averaging). One hook per output tensor, not per parameter."""
+    gradient messages, loss scaling, averaging). One hook per output tensor, not per parameter.
+    The hook holds the microbatch weakly: the microbatch holds the outputs, and a cycle through
+    a tensor's hooks is one the garbage collector cannot see (every step's inputs, outputs and,
+    without a backward, activations would stay)."""
     for t in pytree.tree_leaves(outputs):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(_refuse_manual_backward, mb))
+            t.register_hook(functools.partial(_refuse_manual_backward, weakref.ref(mb)))
     return outputs
 
 
-def _refuse_manual_backward(mb, grad: torch.Tensor) -> None:
-    if mb.backward_calls == 0:
+def _refuse_manual_backward(microbatch: weakref.ref, grad: torch.Tensor) -> None:
+    mb = microbatch()
+    if mb is not None and mb.backward_calls == 0:
         raise RuntimeError(
             "smp: loss.backward() was called inside an @smp.step function; call model.backward(loss) "
             "instead, which runs this rank's part of the backward and sends gradients to the other stages"
