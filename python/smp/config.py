@@ -15,6 +15,7 @@ import difflib
 import functools
 import itertools
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -281,11 +282,12 @@ def _check_value(name: str, value: Any) -> Any:
         return value
     if name in ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters"):
         # SMP v1 scripts write them as int(5e8) or 5e8
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        if bad or value < 0 or value != int(value):
             raise type_error(name, value, "a non-negative whole number of elements, e.g. 500000000")
         return int(value)
     if name == "sdp_gradient_clipping":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise type_error(name, value, "a number (the L2 norm to clip to; <= 0: no clipping)")
         return float(value)
     if name == "memory_weight":
