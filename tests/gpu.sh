@@ -11,6 +11,7 @@
 # 3. runs the main job (examples/train_gpt2.py, bf16, a few steps) on one GPU at pp=tp=1, then
 #    with several ranks at pp=2, tp=2 and pp=2 x tp=2, sharing the GPU if there is only one;
 # 4. runs the Hugging Face parity cases (tests/python/test_hf_models.py) at tp=2 and pp=2 x tp=2,
+#    and sharded data parallelism's (tests/python/test_sdp.py: sdp=2, sdp=2 x tp=2, sdp=2 x pp=2),
 #    on CUDA (the harness puts every rank on its GPU when there is one);
 # 5. runs the GPU benchmark (benchmarks/gpu.py: smp against plain PyTorch, MFU, checkpointing and
 #    offloading, all_reduce against NCCL; within its --budget of 180 s, figures in its log);
@@ -66,6 +67,8 @@ CUDA_TESTS=(
 HF_PARITY=(
   "HF parity tp2 (GPT-2, Llama, BERT)|tests/python/test_hf_models.py::test_parity[tp2]|240"
   "HF parity pp2 x tp2 (GPT-2, Llama, BERT)|tests/python/test_hf_models.py::test_parity[pp2_tp2]|300"
+  "sdp2 on FSDP2 over NCCL (GPT, HF GPT-2, Llama; fp32, bf16)|tests/python/test_sdp.py::test_sdp2_trains_like_one_process|300"
+  "sdp2 x tp2, sdp2 x pp2 over NCCL|tests/python/test_sdp.py::test_sdp_composes_with_tensor_and_pipeline_parallelism|420"
 )
 MAIN_JOBS=(# ranks pp tp seconds
   "1 1 1 150"
