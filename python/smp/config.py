@@ -384,8 +384,3 @@ def _check_sdp(config: Config) -> None:
             f"{head} with fp16: FSDP2's mixed precision has no loss scaler here; use bf16=True "
             "(bf16 compute, fp32 parameters and gradient reduction)"
         )
-    if config.compile is not None:
-        raise ValueError(
-            f"{head} with compile: smp does not compile a sharded model yet (FSDP2's hooks sit "
-            "between the layers); remove 'compile' or set sharded_data_parallel_degree=1"
-        )

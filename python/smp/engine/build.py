@@ -68,12 +68,15 @@ def build(
     for s in plan.own_stages:
         stage = pipe.stages[s]
         labels = []
-        if stage.module is not None and plan.sharded_data is not None:
-            stage.module, labels = plan.sharded_data.wrap_stage(s, stage.module, checkpoint)
+        compiling = config.compile is not None
+        if stage.module is not None and plan.sharded_data is not None:  # (layer bodies compiled)
+            compile_body = (lambda body: compiled.compile_stage(body, config.compile)) if compiling else None
+            stage.module, labels = plan.sharded_data.wrap_stage(s, stage.module, checkpoint, compile_body)
+            compiling = False
         elif stage.module is not None:
             labels = checkpoint(stage.module)
         checkpointed[s] = tuple(labels)
-        if stage.module is not None and config.compile is not None:
+        if stage.module is not None and compiling:
             stage.module = compiled.compile_stage(stage.module, config.compile)
     schedule = plan.schedule
     runtime = RankRuntime(

@@ -56,3 +56,15 @@ def compile_stage(module: nn.Module, options: dict[str, Any]) -> nn.Module:
         dynamic=options.get("dynamic", False),
         fullgraph=options.get("fullgraph", False),
     )
+
+
+def compile_forward(module: nn.Module, options: dict[str, Any]) -> None:
+    """Compiles `module`'s own forward in place (its hooks, FSDP2's gathers, stay outside the
+    graph; its state_dict keys stay): sharded data parallelism's layers, as torchtitan compiles
+    each block under FSDP2."""
+    module.forward = torch.compile(
+        module.forward,
+        backend=_Counting(options),
+        dynamic=options.get("dynamic", False),
+        fullgraph=options.get("fullgraph", False),
+    )

@@ -90,7 +90,9 @@ class Engine:
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
         self._whole = module  # what a forward calls when the model runs whole
         if sharded and not self.captures:
-            plan, self.sharded_data = place_sharded(module, config, groups)
+            options = config.compile  # each layer's forward compiled, FSDP2's hooks outside
+            compile_layer = None if options is None else lambda m: compiled.compile_forward(m, options)
+            plan, self.sharded_data = place_sharded(module, config, groups, compile_layer)
             self.plan = plan
             self._buffers = replicas.BufferSlots(module)
             self._trained.take(final=False)

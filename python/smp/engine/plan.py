@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,12 @@ def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Pl
     return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, grad_group)
 
 
-def place_sharded(module: nn.Module, config: Config, groups: ParallelGroups) -> tuple[Plan, ShardedModel]:
+def place_sharded(
+    module: nn.Module,
+    config: Config,
+    groups: ParallelGroups,
+    compile_layer: Callable[[nn.Module], None] | None = None,
+) -> tuple[Plan, ShardedModel]:
     """Sharded data parallelism: the module runs whole on each rank, its parameters sharded over the
     sdp group (FSDP2 averages the gradients: the plan has no gradient group of smp's)."""
     device = rank_device()
@@ -108,7 +113,7 @@ def place_sharded(module: nn.Module, config: Config, groups: ParallelGroups) -> 
         def materialize(unit: nn.Module, path: str) -> None:
             delayed_init.materialize(unit, {}, device, seed, 0, prefix=path)
 
-    sharded = shard_model(module, config, groups, device, materialize)
+    sharded = shard_model(module, config, groups, device, materialize, compile_layer)
     return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, None), sharded
 
 

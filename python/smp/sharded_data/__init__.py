@@ -79,11 +79,16 @@ class ShardedModel:
             self.clip_grad_norm(self.clip)
 
     def wrap_stage(
-        self, stage: int, gm: fx.GraphModule, recompute: Callable[[fx.GraphModule], list[str]]
+        self,
+        stage: int,
+        gm: fx.GraphModule,
+        recompute: Callable[[fx.GraphModule], list[str]],
+        compile_body: Callable[[fx.GraphModule], nn.Module] | None = None,
     ) -> tuple[nn.Module, list[str]]:
         """What runs stage `stage`'s graph `gm` (any signature's) under its units: the graph reads the
         sharded parameters through the module, each layer unit's nodes are outlined into calls of
-        it, and `recompute` (activation checkpointing) applies to the layers' bodies and the rest.
+        it, and `recompute` (activation checkpointing) applies to the layers' bodies and the rest;
+        `compile_body` (config "compile") compiles each layer's body, inside its unit's gathers.
         Returns it and the checkpointed regions' labels."""
         unit, layer_units = self.stage_units[stage]
         managed = {
@@ -104,6 +109,8 @@ class ShardedModel:
                 )
             for call in calls:
                 labels += recompute(call.body)
+                if compile_body is not None:
+                    call.body = compile_body(call.body)
         labels += recompute(gm)
         return stages.StageCall(unit, gm), labels
 
@@ -140,13 +147,15 @@ def shard_model(
     groups: ParallelGroups,
     device: torch.device,
     materialize: Materialize | None = None,
+    compile_layer: Callable[[nn.Module], None] | None = None,
 ) -> ShardedModel:
     """Shards `module` in place over this rank's sdp group and returns it as a ShardedModel.
 
     `materialize` (delayed initialization): called for each layer, then for the root, just before
     that unit is sharded, so only one layer is ever whole on a rank. Without it the module's
     parameters are real: they move to `device` and the data-parallel group takes the first
-    rank's, so every rank shards the same values.
+    rank's, so every rank shards the same values. `compile_layer` (config "compile") compiles each
+    layer's forward in place before it is sharded, so FSDP2's hooks stay outside the graphs.
     """
     if materialize is None:
         module.to(device)
@@ -160,6 +169,8 @@ def shard_model(
     for path, layer in [*layers, ("", module)]:
         if materialize is not None:
             materialize(layer, path)
+        if compile_layer is not None and layer is not module:
+            compile_layer(layer)
         own = units.numel(layer) - sum(units.numel(m) for _, m in layers if layer is module)
         _shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=own >= threshold)
     _prefetch(layers, units.prefetch_depth(config.sdp_max_live_parameters, layers))
