@@ -92,10 +92,7 @@ class Engine:
         if sharded and not self.captures:
             options = config.compile  # each layer's forward compiled, FSDP2's hooks outside
             compile_layer = None if options is None else lambda m: compiled.compile_forward(m, options)
-            plan, self.sharded_data = place_sharded(module, config, groups, compile_layer)
-            self.plan = plan
-            self._buffers = replicas.BufferSlots(module)
-            self._trained.take(final=False)
+            self._install(place_sharded(module, config, groups, compile_layer))
         elif not self.captures:
             self._install(place_whole(module, config, groups))
             if config.compile is not None:  # smp's hooks (gradient buckets) stay outside the graph
@@ -258,7 +255,7 @@ class Engine:
         self._buffers = replicas.BufferSlots(self.module)
         if plan.sharded_data is not None:  # FSDP2 averages the gradients
             self.sharded_data = plan.sharded_data
-            self._trained.take(final=True)
+            self._trained.take(final=self.captures)
             return
         self.grad_sync = GradSync(
             list(self.module.parameters()),

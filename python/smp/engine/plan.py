@@ -102,7 +102,7 @@ def place_sharded(
     config: Config,
     groups: ParallelGroups,
     compile_layer: Callable[[nn.Module], None] | None = None,
-) -> tuple[Plan, ShardedModel]:
+) -> Plan:
     """Sharded data parallelism: the module runs whole on each rank, its parameters sharded over the
     sdp group (FSDP2 averages the gradients: the plan has no gradient group of smp's)."""
     device = rank_device()
@@ -114,7 +114,7 @@ def place_sharded(
             delayed_init.materialize(unit, {}, device, seed, 0, prefix=path)
 
     sharded = shard_model(module, config, groups, device, materialize, compile_layer)
-    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, None), sharded
+    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, None, sharded_data=sharded)
 
 
 def make_plan(

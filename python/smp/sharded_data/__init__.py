@@ -166,12 +166,13 @@ def shard_model(
     layers = units.layer_units(module)
     policy = _policy(config)
     threshold = config.sdp_param_persistence_threshold
+    in_layers = sum(units.numel(m) for _, m in layers)
     for path, layer in [*layers, ("", module)]:
         if materialize is not None:
             materialize(layer, path)
         if compile_layer is not None and layer is not module:
             compile_layer(layer)
-        own = units.numel(layer) - sum(units.numel(m) for _, m in layers if layer is module)
+        own = units.numel(layer) - (in_layers if layer is module else 0)  # (the root: its own)
         _shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=own >= threshold)
     _prefetch(layers, units.prefetch_depth(config.sdp_max_live_parameters, layers))
     return ShardedModel(module, mesh, config.sdp_gradient_clipping)
