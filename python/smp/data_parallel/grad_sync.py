@@ -31,6 +31,7 @@ too (`.grad` stays None).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -251,7 +252,17 @@ class GradSync:
         arrives: averaging over replicas (buckets), fp32 accumulation."""
         if not self._buffered:
             return []
-        return [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        # Through a weak reference: a parameter holding this object (and through it every buffer)
+        # in its hooks makes a cycle through C++ that the collector cannot see, so a model dropped
+        # after smp.parallel_state.reset() kept its gradient buffers alive.
+        on_grad = weakref.WeakMethod(self._on_grad)
+
+        def hook(p: torch.nn.Parameter) -> None:
+            method = on_grad()
+            if method is not None:
+                method(p)
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in self._params]
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         key = id(p)
