@@ -199,6 +199,9 @@ def models_job(spec: dict, emit) -> None:
         smp_config["bf16"] = True
         peers = {"plain autocast": "same recipe", "plain bf16 params": "no master weights"}
     contestants["smp"] = smp_contestant(reference, smp_config)[0]  # smp's model is the reference itself
+    if spec.get("only"):  # --contestants: fewer compilations on a short lease
+        contestants = {k: v for k, v in contestants.items() if k == "smp" or k in spec["only"]}
+        peers = {k: v for k, v in peers.items() if k in contestants}
     data = batches(spec)
     names = list(contestants)
     first_step, losses = {}, {}
@@ -251,7 +254,54 @@ def models_job(spec: dict, emit) -> None:
     for peer, why in peers.items():
         paired = [p / s for p, s in zip(times[peer], times["smp"], strict=True)]
         result["ratios"][peer] = {"paired": statistics.median(paired), "why": why}
+    if spec.get("profile"):
+        result["profiles"] = {name: profile_steps(contestants[name], data, device) for name in names}
     emit(result)
+
+
+def profile_steps(step, data: list, device: str, steps: int = 3) -> dict:
+    """torch.profiler over `steps` steps of one contestant: where a step's time goes on the GPU and
+    the host. GPU busy = the union of kernel/memcpy/memset intervals against the wall time (below
+    1: the GPU waited on the host); syncs = calls that wait for the GPU (item, synchronize)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for i in range(steps):
+            step(data[i % len(data)])
+        sync(device)
+        wall = time.perf_counter() - start
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, None
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    table = prof.key_averages()
+    gpu = sorted(table, key=lambda e: -e.self_device_time_total)[:15]
+    cpu = sorted(table, key=lambda e: -e.self_cpu_time_total)[:15]
+    watched = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+    watched += ("cudaEventSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel")
+    counts = {e.key: e.count / steps for e in table if e.key in watched}
+
+    def top(rows, attr):
+        return [(e.key[:90], getattr(e, attr) / 1e3 / steps, e.count / steps) for e in rows]
+
+    return {
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "gpu_kernels_per_step": len(spans) / steps,
+        "calls_per_step": counts,
+        "top_gpu_ms_per_step": top(gpu, "self_device_time_total"),
+        "top_cpu_ms_per_step": top(cpu, "self_cpu_time_total"),
+    }
 
 
 # --- part 2: activation checkpointing and offloading ----------------------------------------------
@@ -564,6 +614,16 @@ def print_models(result: dict, peak_tflops: float | None) -> None:
     if result["compiled"]:
         note = "" if result["smp_compilations"] else "  <- smp compiled nothing"
         print(f"smp graphs compiled: {result['smp_compilations']}{note}")
+    for name, prof in (result.get("profiles") or {}).items():
+        print(
+            f"\nprofile of {name}: {prof['wall_ms_per_step']:.2f} ms per step, GPU busy "
+            f"{prof['gpu_busy_ms_per_step']:.2f} ms ({prof['gpu_kernels_per_step']:.0f} GPU ops); per step: "
+            + ", ".join(f"{k} x{v:g}" for k, v in sorted(prof["calls_per_step"].items()))
+        )
+        for title, key in (("GPU", "top_gpu_ms_per_step"), ("host", "top_cpu_ms_per_step")):
+            print(f"  top {title} (self ms per step, calls per step):")
+            for op, ms, calls in prof[key]:
+                print(f"    {ms:8.3f}  x{calls:<6g} {op}")
 
 
 def print_checkpointing(rows: list[dict], spec: dict) -> None:
@@ -726,6 +786,8 @@ def model_spec(args, shape: str, device: str) -> dict:
         "steps": args.steps,
         "block": args.block,
         "tf32": args.tf32,
+        "profile": args.profile,
+        "only": args.contestants,
     }
     if args.cpu_smoke:
         spec.update(TINY)
@@ -846,6 +908,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="batch size (default 8 per shape)")
     p.add_argument("--seq", type=int, default=None, help=f"sequence length (default {SEQ})")
     p.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {VOCAB})")
+    p.add_argument("--profile", action="store_true", help="also profile 3 steps of each contestant")
+    p.add_argument(
+        "--contestants",
+        type=lambda t: [x.strip() for x in t.split(",")],
+        default=None,
+        help="peers to run beside smp (comma-separated names, e.g. 'plain autocast'); default all",
+    )
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 recipe (both sides)")
     p.add_argument("--quick", action="store_true", help="2 layers, seq 256, batch 4, few steps: a smoke run")
     p.add_argument("--budget", type=float, default=180.0, help="seconds for the whole run; 0: no limit")
