@@ -112,6 +112,9 @@ def make_model(spec: dict):
     torch.manual_seed(0)
     with torch.device(spec["device"]):
         model = GPT2LMHeadModel(config)
+    # The loss HF picks anyway, named: unnamed, HF logs a warning_once from inside the forward on
+    # every call, which torch.compile cannot trace (a graph break before the loss, both contestants).
+    model.loss_type = "ForCausalLM"
     return model.train()
 
 
