@@ -135,15 +135,19 @@ def sync(device: str) -> None:
 
 
 def compile_args(spec: dict):
-    """smp's "compile" value and plain torch.compile's backend (aot_eager on the CPU smoke run:
-    the plumbing, without inductor's C++ compile)."""
-    backend = spec.get("compile_backend")
-    return ({"backend": backend} if backend else True), (backend or "inductor")
+    """smp's "compile" value and plain torch.compile's keyword arguments: inductor (aot_eager on
+    the CPU smoke run: the plumbing, without inductor's C++ compile), with CUDA graphs
+    (mode "reduce-overhead") in the cudagraphs mode."""
+    plain = {"backend": spec.get("compile_backend") or "inductor"}
+    if spec.get("cudagraphs"):
+        plain["mode"] = "reduce-overhead"
+    ours = dict(plain) if spec.get("compile_backend") or spec.get("cudagraphs") else True
+    return ours, plain
 
 
 def plain_contestant(model, spec: dict, autocast: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    run = torch.compile(model, backend=compile_args(spec)[1]) if spec["compiled"] else model
+    run = torch.compile(model, **compile_args(spec)[1]) if spec["compiled"] else model
     device = spec["device"]
 
     def step(ids):
@@ -152,7 +156,7 @@ def plain_contestant(model, spec: dict, autocast: bool):
             loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
-        return loss.detach()
+        return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
     return step
 
@@ -168,7 +172,7 @@ def smp_contestant(model, config: dict):
     def train(ids):
         loss = dmodel(input_ids=ids, labels=ids).loss
         dmodel.backward(loss)
-        return loss.detach()
+        return loss.detach().clone()  # (as above)
 
     def step(ids):
         opt.zero_grad(set_to_none=True)
@@ -232,6 +236,7 @@ def models_job(spec: dict, emit) -> None:
         "shape": spec["shape"],
         "recipe": spec["recipe"],
         "compiled": spec["compiled"],
+        "cudagraphs": bool(spec.get("cudagraphs")),
         "layers": spec["layers"],
         "dim": spec["dim"],
         "seq": spec["seq"],
@@ -583,8 +588,8 @@ def table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def mode(compiled: bool) -> str:
-    return "compiled" if compiled else "eager"
+def mode(compiled: bool, cudagraphs: bool = False) -> str:
+    return "cudagraphs" if cudagraphs else "compiled" if compiled else "eager"
 
 
 def print_models(result: dict, peak_tflops: float | None) -> None:
@@ -592,7 +597,7 @@ def print_models(result: dict, peak_tflops: float | None) -> None:
         f"\n### {result['shape']} ({result['layers']} layers, {result['dim']} wide, seq {result['seq']}, "
         f"batch {result['batch']}, vocab {result['vocab']}, {result['params'] / 1e6:.1f} M parameters, "
         f"{result['flops_per_token'] / 1e6:.0f} MFLOP/token), {result['recipe']}, "
-        f"{mode(result['compiled'])}; "
+        f"{mode(result['compiled'], result['cudagraphs'])}; "
         f"{result['rounds']} rounds of {result['block']} steps"
     )
     rows = []
@@ -714,7 +719,7 @@ def print_summary(report: dict) -> None:
             verdict = ("met" if ratio["paired"] >= KEEP_RATIO else "NOT met") if same else "(information)"
             rows.append(
                 [
-                    f"{r['shape']} {r['recipe']} {mode(r['compiled'])}: smp / {peer}",
+                    f"{r['shape']} {r['recipe']} {mode(r['compiled'], r['cudagraphs'])}: smp / {peer}",
                     f"{ratio['paired']:.3f}",
                     f">= {KEEP_RATIO}" if same else "",
                     verdict,
@@ -723,7 +728,9 @@ def print_summary(report: dict) -> None:
     peak = report.get("peak_tflops")
     target = f">= {100 * MFU_TARGET:.0f}%"
     mfu_rows = [
-        r for r in report["models"] if r["shape"] == "medium" and r["recipe"] == "bf16" and r["compiled"]
+        r
+        for r in report["models"]
+        if r["shape"] == "medium" and r["recipe"] == "bf16" and r["compiled"] and not r["cudagraphs"]
     ]
     for r in mfu_rows:
         name = f"MFU, smp, medium ({r['layers']} layers) bf16 compiled"
@@ -839,7 +846,8 @@ def plan_jobs(args, device: str) -> list[dict]:
         for shape in shapes:
             for recipe in args.recipes:
                 for c in args.modes:
-                    spec = model_spec(args, shape, device) | {"recipe": recipe, "compiled": c == "compiled"}
+                    spec = model_spec(args, shape, device) | {"recipe": recipe, "compiled": c != "eager"}
+                    spec["cudagraphs"] = c == "cudagraphs"
                     spec["warmup"] = args.warmup or (3 if spec["compiled"] else 2)
                     job = {"name": f"models {shape} {recipe} {c}", "spec": spec}
                     (compiled if spec["compiled"] else eager).append(job)
@@ -875,7 +883,7 @@ def rerun_hint(job: dict, args) -> str:
         return f"python benchmarks/gpu.py --part {spec['kind']} --budget 0{flags}"
     return (
         f"python benchmarks/gpu.py --part models --shapes {spec['shape']} --recipes {spec['recipe']} "
-        f"--modes {mode(spec['compiled'])} --budget 0{flags}"
+        f"--modes {mode(spec['compiled'], spec.get('cudagraphs', False))} --budget 0{flags}"
     )
 
 
@@ -904,7 +912,12 @@ def main() -> None:
     )
     p.add_argument("--shapes", type=csv_of(tuple(SHAPES)), default=list(SHAPES), help="small,medium")
     p.add_argument("--recipes", type=csv_of(("fp32", "bf16")), default=["fp32", "bf16"])
-    p.add_argument("--modes", type=csv_of(("eager", "compiled")), default=["eager", "compiled"])
+    p.add_argument(
+        "--modes",
+        type=csv_of(("eager", "compiled", "cudagraphs")),
+        default=["eager", "compiled"],
+        help="cudagraphs: compiled with mode='reduce-overhead' on both sides (not in the default run)",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 12; 4 --quick)")
     p.add_argument("--block", type=int, default=None, help="steps per timed round (default 3; 2 --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2 eager, 3 compiled)")
