@@ -137,11 +137,15 @@ def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axe
             split[name] = [{k: parts[k][i] for k in parts} for i in range(m)]
         else:
             split[name] = _split(value, m, axes.get(name, 0), name)
-    pieces = []
-    for i in range(m):
-        arguments = {name: parts[i] for name, parts in split.items()}
-        b = inspect.BoundArguments(bound.signature, arguments)
-        pieces.append((b.args, b.kwargs))
+    if m == 1 and all(parts[0] is bound.arguments[name] for name, parts in split.items()):
+        # One microbatch whose arguments came through unchanged: no second binding per step.
+        pieces = [(bound.args, bound.kwargs)]
+    else:
+        pieces = []
+        for i in range(m):
+            arguments = {name: parts[i] for name, parts in split.items()}
+            b = inspect.BoundArguments(bound.signature, arguments)
+            pieces.append((b.args, b.kwargs))
     return pieces, _batch_size({k: v for k, v in split.items() if k not in whole}, axes)
 
 
