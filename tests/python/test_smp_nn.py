@@ -569,14 +569,12 @@ def _gpt2_lm_head_registered(config, momentum=0.0):
     }
 
 
-# --- GPT-J, GPT-NeoX, GPT-Neo: SMP's hook names, refused with what smp.nn lacks --------------------
+# --- GPT-Neo: SMP's hook name, refused with what smp.nn lacks (GPT-J, GPT-NeoX: test_smp_nn_rotary.py) ---
 
 
 @pytest.mark.parametrize(
     "model, function, model_class, missing",
     [
-        ("gptj", "get_hf_gptj_transformer_hooks", "GPTJForCausalLM", "rotary position embeddings"),
-        ("gptneox", "get_hf_gptneox_transformer_lm_head_hooks", "GPTNeoXForCausalLM", "parallel residual"),
         ("gptneo", "get_hf_gptneo_transformer_lm_head_hooks", "GPTNeoForCausalLM", "local \\(windowed\\)"),
     ],
 )

@@ -4,6 +4,13 @@ tied to the word embedding.
 The word embedding is cut by vocabulary rows (vocab_size / tp per rank); the head reuses those
 rows, so its logits are vocab-sharded and, given labels, the loss is the vocabulary-parallel
 cross entropy (logits never gathered). Position and token-type embeddings are whole on every rank.
+
+Options beyond SMP's documented arguments (defaults: the documented model), for GPT-J and
+GPT-NeoX: the layers' (`rotary_dim`, ..., `parallel_attn_output`, `shared_pre_layernorm`; see
+transformer.py), `use_position_embedding=False` (no position table: rotary models; the position
+ids then reach every layer's rotary embedding), and `tie_word_embeddings=False`: a head of its
+own, `lm_head` (weight [vocab, hidden] cut by vocabulary rows like the embedding, and a bias with
+`lm_head_bias=True`, GPT-J's), still vocabulary-parallel.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from smp import ops
 from smp.nn import initialization as init
 from smp.nn import tp_group
 from smp.nn.distributed_module import DistributedModule
+from smp.nn.sharded_linear import ColumnParallelLinear
 from smp.nn.transformer import DistributedTransformer
 
 
@@ -68,9 +76,32 @@ class DistributedTransformerLMHead(DistributedModule):
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
         initialize_with_same_seed: bool = False,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        rotary_emb_base: float = 10000.0,
+        use_qkv_bias: bool = True,
+        use_attention_output_bias: bool = True,
+        attention_scores_in_fp32: bool = False,
+        zero_fully_masked_rows: bool = False,
+        parallel_attn_output: bool = False,
+        shared_pre_layernorm: bool = False,
+        use_position_embedding: bool = True,
+        tie_word_embeddings: bool = True,
+        lm_head_bias: bool = False,
     ):
         super().__init__()
+        if lm_head_bias and tie_word_embeddings:
+            raise ValueError(
+                "smp.nn.DistributedTransformerLMHead: lm_head_bias=True with tie_word_embeddings=True; a "
+                "head with a bias is a layer of its own here: pass tie_word_embeddings=False"
+            )
+        if lm_head_bias and not add_lm_head:
+            raise ValueError(
+                "smp.nn.DistributedTransformerLMHead: lm_head_bias=True with add_lm_head=False; there is "
+                "no head to add the bias to: pass add_lm_head=True or lm_head_bias=False"
+            )
         self.vocab_size, self.add_lm_head = vocab_size, add_lm_head
+        self.rotary = rotary_dim is not None
         self.add_cross_attention = add_cross_attention
         # A pre-LN stack needs a final norm (GPT-2's ln_f); with both norms the stack ends with one.
         self.use_final_layernorm = pre_layernorm and not post_layernorm
@@ -78,7 +109,7 @@ class DistributedTransformerLMHead(DistributedModule):
         self.word_embedding = VocabParallelEmbedding(
             vocab_size, hidden_size, embedding_fill, initialize_with_same_seed
         )
-        self.position_embedding = nn.Embedding(num_positions, hidden_size)
+        self.position_embedding = nn.Embedding(num_positions, hidden_size) if use_position_embedding else None
         self.token_type_embedding = nn.Embedding(num_token_types, hidden_size) if num_token_types else None
         if use_normal_initialization:
             for table in (self.position_embedding, self.token_type_embedding):
@@ -102,9 +133,30 @@ class DistributedTransformerLMHead(DistributedModule):
             pre_layernorm=pre_layernorm,
             post_layernorm=post_layernorm,
             initialize_with_same_seed=initialize_with_same_seed,
+            rotary_dim=rotary_dim,
+            rotary_interleaved=rotary_interleaved,
+            rotary_emb_base=rotary_emb_base,
+            use_qkv_bias=use_qkv_bias,
+            use_attention_output_bias=use_attention_output_bias,
+            attention_scores_in_fp32=attention_scores_in_fp32,
+            zero_fully_masked_rows=zero_fully_masked_rows,
+            parallel_attn_output=parallel_attn_output,
+            shared_pre_layernorm=shared_pre_layernorm,
         )
         if self.use_final_layernorm:
             self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+        # An untied head: vocabulary rows cut as the embedding's (the same vocab_parallel loss).
+        self.lm_head = None
+        if add_lm_head and not tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(
+                hidden_size,
+                vocab_size,
+                bias=lm_head_bias,
+                use_normal_initialization=use_normal_initialization,
+                initializer_range=initializer_range,
+                initialize_with_same_seed=initialize_with_same_seed,
+                owner="DistributedTransformerLMHead",
+            )
 
     def forward(self, inputs):
         if self.add_cross_attention:
@@ -113,7 +165,9 @@ class DistributedTransformerLMHead(DistributedModule):
             input_ids, attention_mask, token_type_ids, position_ids, labels = inputs
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        hidden = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        hidden = self.word_embedding(input_ids)
+        if self.position_embedding is not None:
+            hidden = hidden + self.position_embedding(position_ids)
         if token_type_ids is not None and self.token_type_embedding is not None:
             hidden = hidden + self.token_type_embedding(token_type_ids)
         hidden = self.dropout(hidden)
@@ -125,6 +179,8 @@ class DistributedTransformerLMHead(DistributedModule):
             if extra is not None:
                 extra = extra * torch.finfo(hidden.dtype).min
             hidden = self.transformer((hidden, cross_states, mask, extra))[0]
+        elif self.rotary:  # the layers rotate queries and keys by these positions
+            hidden = self.transformer((hidden, mask, position_ids))[0]
         else:
             hidden = self.transformer((hidden, mask))[0]
         if self.use_final_layernorm:
@@ -135,13 +191,18 @@ class DistributedTransformerLMHead(DistributedModule):
 
     def _head(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
         group = self.shard_group()
-        weight = self.word_embedding.weight
-        if group is None:
+        weight = self.word_embedding.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            # Through its own forward, so the graph pass sees the module and reports its shards.
+            logits = self.lm_head(hidden)  # vocab-sharded when group is not None
+        elif group is None:
             logits = F.linear(hidden, weight)
+        else:
+            logits = ops.column_parallel_linear(hidden, weight, None, group)  # vocab-sharded
+        if group is None:
             if labels is None:
                 return logits
             return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
-        logits = ops.column_parallel_linear(hidden, weight, None, group)  # vocab-sharded
         if labels is None:
             return ops.tp_gather(logits, -1, group)
         start = tp_group.tp_rank() * weight.shape[0]

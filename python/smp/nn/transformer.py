@@ -1,5 +1,6 @@
-"""SMP v1's distributed transformer blocks: attention, output (MLP) layer, transformer layer and
-a stack of layers, with SMP's constructor arguments and tuple-in, tuple-out forwards.
+"""SMP v1's distributed transformer blocks: the output (MLP) layer, the transformer layer and a
+stack of layers, with SMP's constructor arguments and tuple-in, tuple-out forwards (the attention
+layer is attention.py's).
 
 Megatron's cut: query/key/value and the MLP's first linear are column-parallel (each rank holds
 num_attention_heads / tp heads and intermediate_size / tp features), the attention output and
@@ -10,129 +11,29 @@ implementations: attention.{query,key,value,dense}, output.{dense1,dense2}, {pre
 Residuals: SMP's reference code adds the residual only with post_layernorm; its real layers (and
 every pre-LN model registered to them, GPT-2 through SMP's own hooks) add it in both modes, so
 here the block returns `layernorm(x + out)` with post_layernorm and `x + out` without.
+
+Options beyond SMP's documented arguments (defaults: the documented behaviour), for GPT-J and
+GPT-NeoX: the attention's (`rotary_dim`, `rotary_interleaved`, `rotary_emb_base`, `use_qkv_bias`,
+`use_attention_output_bias`, `attention_scores_in_fp32`, `zero_fully_masked_rows`; see
+attention.py), passed through, and the parallel residual: with `parallel_attn_output=True`
+(pre-LN only) the attention and the MLP both read the layer's input x and the layer returns
+`x + (attention + mlp)` (GPT-NeoX's use_parallel_residual, each branch with its own norm);
+`shared_pre_layernorm=True` feeds the MLP the attention's normalized input instead (GPT-J's single
+ln_1; the MLP then has no norm). With rotary embeddings the tuples may carry position_ids third:
+(hidden_states, attention_mask, position_ids) in and out.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from smp import ops
 from smp.nn import tp_group
+from smp.nn.attention import DistributedAttentionLayer, split_attention_inputs
+from smp.nn.block_parts import ACTIVATIONS, check_layernorms, residual
 from smp.nn.distributed_module import DistributedModule
 from smp.nn.sharded_linear import ColumnParallelLinear, RowParallelLinear
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "relu": F.relu,
-    # Hugging Face's name for the tanh approximation GPT-2 uses (smp's addition to SMP's two).
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def _check_layernorms(module: str, pre: bool, post: bool) -> None:
-    if not (pre or post):
-        raise ValueError(
-            f"smp.nn.{module}: pre_layernorm=False and post_layernorm=False; at least one must be True "
-            "(SMP v1's rule): set post_layernorm=True (BERT-style) or pre_layernorm=True (GPT-style)"
-        )
-
-
-def _residual(x: Tensor, out: Tensor, fp32: bool) -> Tensor:
-    if fp32 and x.dtype != torch.float32:
-        return (x.float() + out.float()).to(x.dtype)
-    return x + out
-
-
-class DistributedAttentionLayer(DistributedModule):
-    def __init__(
-        self,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        cross_attention: bool = False,
-        causal_mask_size: int | None = None,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        initialize_with_same_seed: bool = False,
-        fp32_residual_addition: bool = False,
-    ):
-        super().__init__()
-        _check_layernorms("DistributedAttentionLayer", pre_layernorm, post_layernorm)
-        self.local_heads = tp_group.divide(
-            "DistributedAttentionLayer", "num_attention_heads", num_attention_heads
-        )
-        self.num_attention_heads, self.attention_head_size = num_attention_heads, attention_head_size
-        self.hidden_size, self.cross_attention = hidden_size, cross_attention
-        self.use_pre_layernorm, self.use_post_layernorm = pre_layernorm, post_layernorm
-        self.fp32_residual_addition = fp32_residual_addition
-        width = num_attention_heads * attention_head_size
-        init = dict(
-            use_normal_initialization=use_normal_initialization,
-            initializer_range=initializer_range,
-            initialize_with_same_seed=initialize_with_same_seed,
-        )
-        owner = {"owner": "DistributedAttentionLayer"}
-        self.query = ColumnParallelLinear(hidden_size, width, **init, **owner)
-        self.key = ColumnParallelLinear(hidden_size, width, **init, **owner)
-        self.value = ColumnParallelLinear(hidden_size, width, **init, **owner)
-        self.dense = RowParallelLinear(width, hidden_size, **init, **owner)
-        self.dropout1 = nn.Dropout(attention_dropout_prob)
-        self.dropout2 = nn.Dropout(hidden_dropout_prob)
-        if pre_layernorm:
-            self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        if post_layernorm:
-            self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        self.causal_mask_size = causal_mask_size
-        if causal_mask_size is not None and not cross_attention:
-            causal = torch.tril(torch.ones(causal_mask_size, causal_mask_size, dtype=torch.bool))
-            self.register_buffer("causal_mask", causal, persistent=False)  # not a checkpoint entry
-        else:
-            self.causal_mask = None
-
-    def _heads(self, t: Tensor) -> Tensor:
-        """[N, S, local heads * head size] -> [N, local heads, S, head size]."""
-        return t.reshape(*t.shape[:-1], self.local_heads, self.attention_head_size).permute(0, 2, 1, 3)
-
-    def forward(self, inputs):
-        if self.cross_attention:
-            hidden_states, cross_states, attention_mask = inputs
-        else:
-            (hidden_states, attention_mask), cross_states = inputs, None
-        x = self.pre_layernorm(hidden_states) if self.use_pre_layernorm else hidden_states
-        source = x if cross_states is None else cross_states
-        q, k, v = self._heads(self.query(x)), self._heads(self.key(source)), self._heads(self.value(source))
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
-        if self.causal_mask is not None:
-            sq, sk = scores.shape[-2], scores.shape[-1]
-            if sk > self.causal_mask_size:
-                raise ValueError(
-                    f"smp.nn.DistributedAttentionLayer: sequence length {sk} exceeds causal_mask_size="
-                    f"{self.causal_mask_size}; build the layer with causal_mask_size >= the longest sequence"
-                )
-            keep = self.causal_mask[sk - sq : sk, :sk]
-            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-        if attention_mask is not None:  # additive, [N, 1, 1 or S, S]
-            mask = attention_mask.to(scores.dtype)
-            group = self.shard_group()
-            if group is not None and mask.requires_grad:
-                # Read by this rank's heads only: its gradient is summed over the group's heads.
-                mask = ops.tp_copy(mask, group)
-            scores = scores + mask
-        probs = self.dropout1(F.softmax(scores, dim=-1))
-        context = torch.matmul(probs, v).permute(0, 2, 1, 3)
-        context = context.reshape(*context.shape[:-2], self.local_heads * self.attention_head_size)
-        out = self.dropout2(self.dense(context))
-        out = _residual(hidden_states, out, self.fp32_residual_addition)
-        return self.layernorm(out) if self.use_post_layernorm else out
 
 
 class DistributedTransformerOutputLayer(DistributedModule):
@@ -149,9 +50,13 @@ class DistributedTransformerOutputLayer(DistributedModule):
         post_layernorm: bool = True,
         fp32_residual_addition: bool = False,
         initialize_with_same_seed: bool = False,
+        _branch_without_norm: bool = False,
     ):
+        """`_branch_without_norm` (smp.nn-internal): the MLP branch of a layer with
+        shared_pre_layernorm, fed the attention's normalized input: no norm of its own."""
         super().__init__()
-        _check_layernorms("DistributedTransformerOutputLayer", pre_layernorm, post_layernorm)
+        if not _branch_without_norm:
+            check_layernorms("DistributedTransformerOutputLayer", pre_layernorm, post_layernorm)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"smp.nn.DistributedTransformerOutputLayer: activation={activation!r} is not one of "
@@ -176,10 +81,32 @@ class DistributedTransformerOutputLayer(DistributedModule):
             self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
 
     def forward(self, inp: Tensor) -> Tensor:
-        x = self.pre_layernorm(inp) if self.use_pre_layernorm else inp
-        out = self.dropout(self.dense2(ACTIVATIONS[self.activation](self.dense1(x))))
-        out = _residual(inp, out, self.fp32_residual_addition)
+        out = self.mlp(self.pre_layernorm(inp) if self.use_pre_layernorm else inp)
+        out = residual(inp, out, self.fp32_residual_addition)
         return self.layernorm(out) if self.use_post_layernorm else out
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """The MLP's contribution for the (normalized) input x, after its dropout, before any residual."""
+        return self.dropout(self.dense2(ACTIVATIONS[self.activation](self.dense1(x))))
+
+
+def _check_parallel_residual(module: str, parallel: bool, shared: bool, pre: bool, post: bool, cross: bool):
+    if shared and not parallel:
+        raise ValueError(
+            f"smp.nn.{module}: shared_pre_layernorm=True needs parallel_attn_output=True (the MLP reads "
+            "the attention's normalized input only when both read the layer's input)"
+        )
+    if parallel and (not pre or post):
+        raise ValueError(
+            f"smp.nn.{module}: parallel_attn_output=True with pre_layernorm={pre}, post_layernorm={post}; "
+            "the parallel residual (x + attention(norm(x)) + mlp(norm(x))) is pre-LN: set "
+            "pre_layernorm=True and post_layernorm=False"
+        )
+    if parallel and cross:
+        raise ValueError(
+            f"smp.nn.{module}: parallel_attn_output=True with add_cross_attention=True; a cross "
+            "attention sits between the two branches: use parallel_attn_output=False"
+        )
 
 
 class DistributedTransformerLayer(DistributedModule):
@@ -201,9 +128,28 @@ class DistributedTransformerLayer(DistributedModule):
         post_layernorm: bool = True,
         initialize_with_same_seed: bool = False,
         fp32_residual_addition: bool = False,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        rotary_emb_base: float = 10000.0,
+        use_qkv_bias: bool = True,
+        use_attention_output_bias: bool = True,
+        attention_scores_in_fp32: bool = False,
+        zero_fully_masked_rows: bool = False,
+        parallel_attn_output: bool = False,
+        shared_pre_layernorm: bool = False,
     ):
         super().__init__()
+        _check_parallel_residual(
+            "DistributedTransformerLayer",
+            parallel_attn_output,
+            shared_pre_layernorm,
+            pre_layernorm,
+            post_layernorm,
+            add_cross_attention,
+        )
         self.add_cross_attention = add_cross_attention
+        self.parallel_attn_output, self.shared_pre_layernorm = parallel_attn_output, shared_pre_layernorm
+        self.fp32_residual_addition = fp32_residual_addition
         common = dict(
             hidden_size=hidden_size,
             hidden_dropout_prob=hidden_dropout_prob,
@@ -221,9 +167,20 @@ class DistributedTransformerLayer(DistributedModule):
             attention_dropout_prob=attention_dropout_prob,
             **common,
         )
-        self.attention = DistributedAttentionLayer(causal_mask_size=causal_mask_size, **attention)
+        options = dict(
+            rotary_dim=rotary_dim,
+            rotary_interleaved=rotary_interleaved,
+            rotary_emb_base=rotary_emb_base,
+            use_qkv_bias=use_qkv_bias,
+            use_attention_output_bias=use_attention_output_bias,
+            attention_scores_in_fp32=attention_scores_in_fp32,
+            zero_fully_masked_rows=zero_fully_masked_rows,
+        )
+        self.attention = DistributedAttentionLayer(causal_mask_size=causal_mask_size, **attention, **options)
         if add_cross_attention:
             self.cross_attention = DistributedAttentionLayer(cross_attention=True, **attention)
+        if shared_pre_layernorm:
+            common.update(pre_layernorm=False, _branch_without_norm=True)
         self.output = DistributedTransformerOutputLayer(
             intermediate_size=intermediate_size, activation=activation, **common
         )
@@ -231,15 +188,25 @@ class DistributedTransformerLayer(DistributedModule):
     def forward(self, inputs):
         if self.add_cross_attention:
             hidden_states, cross_states, attention_mask, cross_mask = inputs
-        else:
-            hidden_states, attention_mask = inputs
-        out = self.attention((hidden_states, attention_mask))
-        if self.add_cross_attention:
-            out = self.cross_attention((out, cross_states, cross_mask))
-        out = self.output(out)
-        if self.add_cross_attention:
+            out = self.attention((hidden_states, attention_mask))
+            out = self.output(self.cross_attention((out, cross_states, cross_mask)))
             return out, cross_states, attention_mask, cross_mask
-        return out, attention_mask
+        hidden_states, attention_mask, position_ids = split_attention_inputs(
+            "DistributedTransformerLayer", inputs
+        )
+        if self.parallel_attn_output:
+            out = self._parallel_branches(hidden_states, attention_mask, position_ids)
+        else:
+            out = self.output(self.attention(tuple(inputs)))
+        return (out, *inputs[1:])
+
+    def _parallel_branches(self, x: Tensor, attention_mask, position_ids) -> Tensor:
+        attention, output = self.attention, self.output
+        normed = attention.pre_layernorm(x)
+        attn = attention.attend(normed, attention_mask, position_ids)
+        mlp = output.mlp(normed if self.shared_pre_layernorm else output.pre_layernorm(x))
+        # (attention + mlp) + x: the order GPT-J and GPT-NeoX add them in.
+        return residual(x, attn + mlp, self.fp32_residual_addition)
 
 
 class DistributedTransformer(DistributedModule):
@@ -267,9 +234,18 @@ class DistributedTransformer(DistributedModule):
         post_layernorm: bool = True,
         initialize_with_same_seed: bool = False,
         fp32_residual_addition: bool = False,
+        rotary_dim: int | None = None,
+        rotary_interleaved: bool = False,
+        rotary_emb_base: float = 10000.0,
+        use_qkv_bias: bool = True,
+        use_attention_output_bias: bool = True,
+        attention_scores_in_fp32: bool = False,
+        zero_fully_masked_rows: bool = False,
+        parallel_attn_output: bool = False,
+        shared_pre_layernorm: bool = False,
     ):
         super().__init__()
-        layer = dict(
+        layer: dict[str, Any] = dict(
             num_attention_heads=num_attention_heads,
             attention_head_size=attention_head_size,
             hidden_size=hidden_size,
@@ -286,6 +262,15 @@ class DistributedTransformer(DistributedModule):
             post_layernorm=post_layernorm,
             initialize_with_same_seed=initialize_with_same_seed,
             fp32_residual_addition=fp32_residual_addition,
+            rotary_dim=rotary_dim,
+            rotary_interleaved=rotary_interleaved,
+            rotary_emb_base=rotary_emb_base,
+            use_qkv_bias=use_qkv_bias,
+            use_attention_output_bias=use_attention_output_bias,
+            attention_scores_in_fp32=attention_scores_in_fp32,
+            zero_fully_masked_rows=zero_fully_masked_rows,
+            parallel_attn_output=parallel_attn_output,
+            shared_pre_layernorm=shared_pre_layernorm,
         )
         self.num_layers = num_layers
         self.seq_layers = nn.Sequential(*(DistributedTransformerLayer(**layer) for _ in range(num_layers)))
@@ -299,3 +284,12 @@ class DistributedTransformer(DistributedModule):
             return self.seq_layers(inputs)
         out = self.seq_layers((self.pre_layernorm(inputs[0]), *inputs[1:]))
         return (self.layernorm(out[0]), *out[1:])
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "DistributedAttentionLayer",
+    "DistributedTransformer",
+    "DistributedTransformerLayer",
+    "DistributedTransformerOutputLayer",
+]

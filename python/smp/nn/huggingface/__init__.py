@@ -2,15 +2,16 @@
 
 SMP v1 replaced Hugging Face layers by its own distributed transformer classes, whose
 state_dict keys differed, and shipped hooks for registering them and functions that renamed
-keys both ways. `gpt2`, `bert` and `roberta` (gpt2.py, bert.py, roberta.py) have SMP's hooks for
-their blocks and real translate functions (see there). `gptj`, `gptneox` and `gptneo` have SMP's
-hook functions, which raise a NotImplementedError naming what smp.nn's layers lack (rotary
-embeddings, parallel residuals, local attention: graph_only.py), and translate functions that
-return the state_dict they are given, as for the other models: smp's graph tensor parallelism
-shards the model's own layers and keeps the module's keys (`max_seq_len` and other SMP arguments
-are accepted). The submodules gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the
-names SMP's did, so `from smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2` (and
-the same under `smdistributed.modelparallel.torch`) works unchanged.
+keys both ways. `gpt2`, `gptj`, `gptneox`, `bert` and `roberta` (gpt2.py, gptj.py, gptneox.py,
+bert.py, roberta.py) have SMP's hooks for their blocks or whole models and real translate
+functions (see there; causal_lm.py holds what the rotary models share). `gptneo` has SMP's hook
+function, which raises a NotImplementedError naming what smp.nn's layers lack (local attention,
+unscaled scores: graph_only.py), and translate functions that return the state_dict they are
+given, as for the other models: smp's graph tensor parallelism shards the model's own layers and
+keeps the module's keys (`max_seq_len` and other SMP arguments are accepted). The submodules
+gpt2, gptj, gptneo, gptneox, bert, roberta, t5 and vit each hold the names SMP's did, so
+`from smp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2` (and the same under
+`smdistributed.modelparallel.torch`) works unchanged.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
-"""SMP v1's hook functions for models that smp.nn's layers cannot express (GPT-J, GPT-NeoX,
-GPT-Neo), and their translate functions.
+"""SMP v1's hook functions for models that smp.nn's layers cannot express (GPT-Neo), and the
+translate functions of models the graph pass shards.
 
-SMP v1 registered GPTJForCausalLM, GPTNeoXForCausalLM and GPTNeoForCausalLM to its
-DistributedTransformerLMHead, which had grown options for them (rotary embeddings, a parallel
-attention/MLP residual, bias-free projections, an untied head with a bias, local attention).
-smp's DistributedTransformerLMHead has SMP's documented arguments only, so a hook that claimed to
-map these models onto it would compute another function. The hook functions therefore raise a
-NotImplementedError that names what is missing and the path that works: the unmodified model
-under `smp.tensor_parallelism()`, which smp's graph tensor parallelism shards (attention heads,
-MLP, vocabulary) while keeping Hugging Face's state_dict keys. That is why the translate
-functions return the state_dict they are given.
+SMP v1 registered GPTNeoForCausalLM to its DistributedTransformerLMHead, which had grown options
+for it (local attention, unscaled scores). smp's DistributedTransformerLMHead has the options GPT-J
+and GPT-NeoX need (gptj.py, gptneox.py) but not GPT-Neo's, so a hook that claimed to map that model
+onto it would compute another function. The hook function therefore raises a NotImplementedError
+that names what is missing and the path that works: the unmodified model under
+`smp.tensor_parallelism()`, which smp's graph tensor parallelism shards (attention heads, MLP,
+vocabulary) while keeping Hugging Face's state_dict keys. That is why its translate functions
+return the state_dict they are given.
 """
 
 from __future__ import annotations
