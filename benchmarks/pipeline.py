@@ -107,13 +107,24 @@ def batch(step: int, args) -> torch.Tensor:
     return torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
 
 
+class GPTWithLoss(GPT):
+    """The same GPT, whose forward returns the loss (--loss-in-model): what the README advises ("return
+    only what the step needs"), so the pipeline sends every rank a scalar instead of the logits, and
+    the step function on the other ranks computes no loss from them."""
+
+    def forward(self, ids):
+        return lm_loss(super().forward(ids), ids)
+
+
 def make_smp_step(gpt: GPT):
     model = smp.DistributedModel(gpt)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
+    loss_in_model = isinstance(gpt, GPTWithLoss)
 
     @smp.step
     def train_step(ids):
-        loss = lm_loss(model(ids), ids)
+        out = model(ids)
+        loss = out if loss_in_model else lm_loss(out, ids)
         model.backward(loss)
         return loss
 
@@ -227,6 +238,8 @@ def measure(args) -> dict | None:
     torch.manual_seed(0)
     gpt = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
     copies = {name: copy.deepcopy(gpt) for name in args.peers + ["single"]}
+    if args.loss_in_model:  # smp's copy returns its loss (the same weights, modules and names)
+        gpt.__class__ = GPTWithLoss
 
     smp_model, smp_run = make_smp_step(gpt)
     load = [os.getloadavg()[0]]
@@ -317,6 +330,8 @@ def report(r: dict) -> None:
     )
     print(r["partition"])
     print(f"smp's stage boundaries (blocks), which peers with as many stages use: {r['bounds']}")
+    if c.get("loss_in_model"):
+        print("smp's model returns its loss (--loss-in-model): the pipeline sends a scalar, not the logits")
     print(f"{'step time':<48} {'median ms':>10} {'min ms':>8} {'efficiency':>10} {'page faults':>12}")
     for name, median in r["median_s"].items():
         eff = r["efficiency"].get(name)
@@ -357,6 +372,13 @@ def main() -> None:
         "--peers",
         default="1f1b,izb,zbv",
         help=f"torch.distributed.pipelining schedules to run, of {','.join(PEERS)}",
+    )
+    parser.add_argument(
+        "--loss-in-model",
+        action="store_true",
+        help="smp's model returns the loss instead of the logits (the README's advice: the pipeline "
+        "then sends every rank a scalar, and no other rank computes the loss); the torch contestants "
+        "are unchanged (their loss_fn runs on the last stage only)",
     )
     parser.add_argument(
         "--timeline", help="record 4 of smp's steps into this directory (smp.services.timeline)"

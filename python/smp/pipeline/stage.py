@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,12 +49,22 @@ class Links:
     device: torch.device
     local: dict[message_order.Message, torch.Tensor] = dataclasses.field(default_factory=dict)
     ordered: message_order.OrderedChannels | None = None
+    # stage -> its rank inside `group`, which the backend's send and recv take (what dist.isend
+    # computes from the global rank at every call), made once.
+    _group_peer: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
 
     def is_local(self, stage: int) -> bool:
         return self.stage_ranks[stage] == self.rank
 
     def global_rank(self, stage: int) -> int:
         return self.group_ranks[self.stage_ranks[stage]]
+
+    def group_peer(self, stage: int) -> int:
+        if self._group_peer is None:
+            self._group_peer = tuple(
+                dist.get_group_rank(self.group, self.group_ranks[r]) for r in self.stage_ranks
+            )
+        return self._group_peer[stage]
 
     def group_name(self) -> str:
         return _group_name(tuple(self.group_ranks))
@@ -73,19 +84,23 @@ class _Incoming:
         buffer: torch.Tensor,
         work: dist.Work,
         device: torch.device,
-        context: tuple = (),
+        context: Callable[[], tuple],
         timed: tuple[timeline.Recorder, int, dict] | None = None,
     ):
         self._buffer, self._work, self._device = buffer, work, device
-        self._context = context  # faults.waiting's (operation, group, peer): named if the peer fails
+        # faults.waiting's (operation, group, peer), made only if the wait fails (named then)
+        self._context = context
         self._timed = timed  # with the timeline on: (recorder, post time, the event's fields)
         self._tensor: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._tensor is None:
             waited = timeline.now() if self._timed is not None else 0
-            with faults.waiting(*self._context):
+            try:
                 got = self._work.wait()
+            except RuntimeError:  # a transport failure or timeout, named as faults.waiting names it
+                with faults.waiting(*self._context()):
+                    raise
             self._tensor = (self._buffer if self._buffer is not None else got).to(self._device)
             if self._timed is not None:
                 recorder, posted, fields = self._timed
@@ -137,6 +152,19 @@ class StageRuntime:
         self._deferred: dict[int, split_backward.WeightGradients] = {}
         self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
         self._deferrable: set[int] | None = None  # zero_bubble: ids of the weights W computes
+        self._weights_at_b: list[torch.Tensor] | None = None  # zero_bubble: the weights B computes
+        # What every microbatch's messages follow, looked up once: the values received, produced,
+        # the gradients coming back (value, sending stage), the ranks a model output goes to.
+        values = pipe.values
+        self._received_values = [values[name] for name in self.stage.received]
+        self._produced_values = [values[name] for name in self.stage.produced]
+        self._gradient_sources = [
+            (name, values[name], src)
+            for name in self.stage.produced
+            if values[name].requires_grad
+            for src in values[name].consumers
+        ]
+        self._output_ranks = [r for r in range(len(links.group_ranks)) if r != links.rank]
         self.meter: activation_meter.SavedActivationMeter | None = None
         self._timeline = timeline.recorder()
         self._sending = timeline.Pending(self._timeline) if self._timeline is not None else None
@@ -158,37 +186,37 @@ class StageRuntime:
         """Microbatch k's forward of this stage on the flat model inputs `flat`: receives what
         earlier stages computed, sends what later stages (and, for model outputs, every other
         rank) read; returns the values it computed."""
-        values = self.pipe.values
-        incoming = {
-            name: self._recv(values[name], values[name].src, _ACTIVATION, k) for name in self.stage.received
-        }
+        incoming = [(value, self._recv(value, value.src, _ACTIVATION, k)) for value in self._received_values]
         received = {
-            name: message.wait().requires_grad_(values[name].requires_grad)
-            for name, message in incoming.items()
+            value.name: message.wait().requires_grad_(value.requires_grad) for value, message in incoming
         }
         stage_inputs = [self._to_device(flat[i]) for i in self.stage.inputs]
-        stage_inputs += [received[name] for name in self.stage.received]
-        with contextlib.ExitStack() as scope:
-            grad_mode = torch.autograd.set_grad_enabled(torch.is_grad_enabled())  # graphs may switch it
-            scope.enter_context(grad_mode)
-            if self.meter is not None:
-                scope.enter_context(self.meter.track())
-            if self._deferrable:
-                self._deferred[k] = split_backward.WeightGradients(self.meter)
-                scope.enter_context(split_backward.collecting(self._deferred[k]))
-            results = self.stage.module(*stage_inputs)
+        stage_inputs += received.values()  # (in self.stage.received's order)
+        grad_mode = torch.is_grad_enabled()
+        try:
+            if self.meter is None and not self._deferrable:
+                results = self.stage.module(*stage_inputs)
+            else:
+                with contextlib.ExitStack() as scope:
+                    if self.meter is not None:
+                        scope.enter_context(self.meter.track())
+                    if self._deferrable:
+                        self._deferred[k] = split_backward.WeightGradients(self.meter)
+                        scope.enter_context(split_backward.collecting(self._deferred[k]))
+                    results = self.stage.module(*stage_inputs)
+        finally:
+            torch.set_grad_enabled(grad_mode)  # graphs may switch it
         produced = dict(zip(self.stage.produced, results, strict=True))
         links = self._links
-        for name, tensor in produced.items():
-            value = values[name]
-            _check_sendable(value, tensor, self.index, links.device if links.ordered is not None else None)
+        check_device = links.device if links.ordered is not None else None
+        for value, tensor in zip(self._produced_values, results, strict=True):
+            _check_sendable(value, tensor, self.index, check_device)
             data = tensor.detach().contiguous()
             for dst in value.consumers:
-                self._send(data, dst, _ACTIVATION, k, name)
+                self._send(data, dst, _ACTIVATION, k, value.name)
             if value.is_output:
-                for r in range(len(links.group_ranks)):
-                    if r != links.rank:
-                        self._send(data, r, _OUTPUT, k, name)  # to rank r's stage r
+                for r in self._output_ranks:
+                    self._send(data, r, _OUTPUT, k, value.name)  # to rank r's stage r
         self._flush_ordered(k)
         self._in_flight[k] = _InFlight(received, produced)
         return produced
@@ -213,13 +241,9 @@ class StageRuntime:
         (backward_weights(k) does the rest). `also`: leaves whose gradients this pass must
         accumulate too (outputs of an earlier stage of this rank that the loss read)."""
         state = self._in_flight.pop(k)
-        values = self.pipe.values
         roots = [(t, g) for t, g in roots if t.requires_grad]
         incoming = [
-            (name, self._recv(values[name], src, _GRADIENT, k))
-            for name in self.stage.produced
-            if values[name].requires_grad
-            for src in values[name].consumers
+            (name, self._recv(value, src, _GRADIENT, k)) for name, value, src in self._gradient_sources
         ]
         summed: dict[str, torch.Tensor] = {}
         for name, message in incoming:
@@ -229,21 +253,23 @@ class StageRuntime:
             tensor = state.produced[name]
             if tensor.requires_grad:
                 roots.append((tensor, grad))
-        leaves = [state.received[name] for name in self.stage.received]
+        leaves = list(state.received.values())  # (in self.stage.received's order)
         tensors, grads = [t for t, _ in roots], [g for _, g in roots]
         if defer_weights:  # zero_bubble's B: input gradients now, weight gradients at W
             store = self._deferred.setdefault(k, split_backward.WeightGradients(self.meter))
-            now = [w for w in self._weights if id(w) not in (self._deferrable or ())]
-            input_grads = split_backward.backward_inputs(tensors, grads, leaves + list(also), now, store)
+            if self._weights_at_b is None:  # those not deferred (all, if the stage is not rewritten)
+                self._weights_at_b = [w for w in self._weights if id(w) not in (self._deferrable or ())]
+            input_grads = split_backward.backward_inputs(
+                tensors, grads, leaves + list(also), self._weights_at_b, store
+            )
         else:
             if tensors:
                 torch.autograd.backward(tensors, grads)
             input_grads = [leaf.grad for leaf in leaves]
-        for name, leaf, grad in zip(self.stage.received, leaves, input_grads[: len(leaves)], strict=True):
-            value = values[name]
+        for value, leaf, grad in zip(self._received_values, leaves, input_grads[: len(leaves)], strict=True):
             if value.requires_grad:
                 grad = grad if grad is not None else torch.zeros_like(leaf)
-                self._send(grad.contiguous(), value.src, _GRADIENT, k, name)
+                self._send(grad.contiguous(), value.src, _GRADIENT, k, value.name)
         self._flush_ordered(k)
 
     def _flush_ordered(self, k: int) -> None:
@@ -284,21 +310,24 @@ class StageRuntime:
 
     def _send(self, tensor: torch.Tensor, dst_stage: int, kind: int, k: int, name: str) -> None:
         links = self._links
-        msg = message_order.Message(self.index, dst_stage, kind, k, name)
         if links.is_local(dst_stage):  # another stage of this rank: handed over in memory
-            links.local[msg] = tensor
+            links.local[message_order.Message(self.index, dst_stage, kind, k, name)] = tensor
             return
         if links.ordered is not None:  # posted with its group at the action's end (flush)
-            links.ordered.send(msg, tensor)
+            links.ordered.send(message_order.Message(self.index, dst_stage, kind, k, name), tensor)
             return
         tag = self._tag(kind, k, name)
         timed = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if timed else 0
+        # The backend's send, as dist.isend calls it (without its per-call checks and rank lookup).
         # Posting fails at once if the peer has already gone (its connection closed): named too.
-        what = f"pipeline stage {self.index} sending {_KIND_NAMES[kind]} {name!r} of microbatch {k}"
-        peer = links.global_rank(dst_stage)
-        with faults.waiting(f"{what} to stage {dst_stage}", links.group_name(), peer):
-            work = dist.isend(tensor.cpu(), dst=peer, group=links.group, tag=tag)
+        try:
+            work = links.group.send([_wire(tensor.cpu())], links.group_peer(dst_stage), tag)
+        except RuntimeError:
+            what = f"pipeline stage {self.index} sending {_KIND_NAMES[kind]} {name!r} of microbatch {k}"
+            peer = links.global_rank(dst_stage)
+            with faults.waiting(f"{what} to stage {dst_stage}", links.group_name(), peer):
+                raise
         self._sends.append(work)
         if timed:
             self._sending.poll()
@@ -307,19 +336,26 @@ class StageRuntime:
 
     def _recv(self, value: Value, src_stage: int, kind: int, k: int):
         links = self._links
-        msg = message_order.Message(src_stage, self.index, kind, k, value.name)
         if links.is_local(src_stage):
-            return _Handed(links, msg)
-        what = f"pipeline stage {self.index} receiving {_KIND_NAMES[kind]} {value.name!r} of microbatch {k}"
-        context = (f"{what} from stage {src_stage}", links.group_name(), links.global_rank(src_stage))
+            return _Handed(links, message_order.Message(src_stage, self.index, kind, k, value.name))
+
+        def context() -> tuple:  # made only when a wait fails
+            what = f"pipeline stage {self.index} receiving {_KIND_NAMES[kind]} {value.name!r}"
+            peer = links.global_rank(src_stage)
+            return (f"{what} of microbatch {k} from stage {src_stage}", links.group_name(), peer)
+
         if links.ordered is not None:  # posted when its group's turn comes (at the latest on wait)
+            msg = message_order.Message(src_stage, self.index, kind, k, value.name)
             return _Incoming(None, _OrderedWork(links.ordered, msg), links.device, context)
         buffer = torch.empty(value.shape, dtype=value.dtype)
         tag = self._tag(kind, k, value.name)
         recording = self._timeline is not None and self._timeline.recording  # off: one test
         posted = timeline.now() if recording else 0
-        with faults.waiting(*context):
-            work = dist.irecv(buffer, src=links.global_rank(src_stage), group=links.group, tag=tag)
+        try:  # the backend's recv, as dist.irecv calls it
+            work = links.group.recv([_wire(buffer)], links.group_peer(src_stage), tag)
+        except RuntimeError:
+            with faults.waiting(*context()):
+                raise
         timed = None
         if recording:
             self._sending.poll()
@@ -345,6 +381,11 @@ class StageRuntime:
         if isinstance(value, torch.Tensor) and value.device != device:
             return value.to(device)
         return value
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as the backend carries it (a complex one as its real view, as dist.isend does)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def _check_sendable(value: Value, tensor: torch.Tensor, stage: int, device: torch.device | None) -> None:

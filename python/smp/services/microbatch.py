@@ -12,6 +12,7 @@ communication on CPU.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import threading
 from collections.abc import Callable
@@ -30,6 +31,16 @@ def current() -> Microbatch | None:
     return getattr(_local, "microbatch", None)
 
 
+def _held_lock() -> _thread.LockType:
+    """A lock that starts held: release() lets one acquire() through (a binary semaphore). The
+    hand-overs between the scheduler and a microbatch use these plain locks: threading.Semaphore
+    and Event are Python-level conditions that allocate a waiter lock on every wait (measured, a
+    resume + pause round trip: 16-46 us of CPU with Semaphores, 12-15 us with plain locks)."""
+    lock = _thread.allocate_lock()
+    lock.acquire()
+    return lock
+
+
 class _Worker:
     """A daemon thread that runs one job at a time and then offers itself for the next."""
 
@@ -39,7 +50,7 @@ class _Worker:
 
     def __init__(self):
         self._job: Callable[[], None] | None = None
-        self._ready = threading.Semaphore(0)
+        self._ready = _held_lock()
         threading.Thread(target=self._loop, name="smp-microbatch", daemon=True).start()
 
     @classmethod
@@ -100,9 +111,10 @@ class Microbatch:
         """The hand-over state, made when the microbatch first runs on a worker thread. The thread
         starts with the caller's grad mode, autocast, CUDA device and stream, which are per thread
         (W and the step's end run on the caller's thread: one stream for all)."""
-        self._turn = threading.Semaphore(0)
-        self._back = threading.Semaphore(0)
-        self._finished = threading.Event()
+        # Binary semaphores: at most one release is outstanding on each (control alternates).
+        self._turn = _held_lock()
+        self._back = _held_lock()
+        self._finished = _held_lock()  # released once the step function has returned
         self._grad_enabled = torch.is_grad_enabled()
         self._autocast = [
             (device, torch.get_autocast_dtype(device))
@@ -161,7 +173,8 @@ class Microbatch:
             self._turn.release()
             self._back.acquire()
             self._error = None
-            self._finished.wait(timeout=5)
+            if self._finished.acquire(timeout=5):
+                self._finished.release()  # (stays released: the microbatch is finished)
 
     def _main(self) -> None:
         self._turn.acquire()
@@ -185,5 +198,5 @@ class Microbatch:
         finally:
             self.done = True
             _local.microbatch = None
-            self._finished.set()
+            self._finished.release()
             self._back.release()
