@@ -1,6 +1,7 @@
 """SMP v1's explicit tensor parallelism: smp.nn's distributed modules, smp.tp_register and the GPT-2
 hooks, each checked against a dense model written here from SMP's reference implementations
-(its documentation's appendix), at tp=1 in this process and at tp=2 on two processes."""
+(its documentation's appendix), at tp=1 in this process and at tp=2 and tp=4 on two and four
+processes; a custom block registered, trained, checkpointed and resumed at tp=2 and pp=2 x tp=2."""
 
 from __future__ import annotations
 
@@ -145,10 +146,12 @@ def _ids(seed=2):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _cases():
+def _cases(heads=HEADS, head_size=HS):
+    """`heads` x `head_size` need not be the hidden size (the tp=2 and tp=4 parity test takes 4 x 4
+    over a hidden size of 8)."""
     import smp
 
-    layer = {"num_attention_heads": HEADS, "attention_head_size": HS, "hidden_size": H, **NO_DROPOUT}
+    layer = {"num_attention_heads": heads, "attention_head_size": head_size, "hidden_size": H, **NO_DROPOUT}
     return {
         "linear": (lambda: smp.nn.DistributedLinear(H, INTER), lambda: nn.Linear(H, INTER), _hidden),
         "embedding": (
@@ -158,12 +161,12 @@ def _cases():
         ),
         "attention": (
             lambda: smp.nn.DistributedAttentionLayer(**layer, causal_mask_size=SEQ),
-            lambda: RefAttention(HEADS, HS, H, causal=True),
+            lambda: RefAttention(heads, head_size, H, causal=True),
             lambda: (_hidden(), _mask()),
         ),
         "cross_attention": (
             lambda: smp.nn.DistributedAttentionLayer(**layer, cross_attention=True, pre_layernorm=True),
-            lambda: RefAttention(HEADS, HS, H, pre=True, cross=True),
+            lambda: RefAttention(heads, head_size, H, pre=True, cross=True),
             lambda: (_hidden(), _hidden(3), _mask()),
         ),
         "output": (
@@ -175,7 +178,7 @@ def _cases():
             lambda: smp.nn.DistributedTransformerLayer(
                 **layer, intermediate_size=INTER, add_cross_attention=True
             ),
-            lambda: RefLayer(HEADS, HS, H, INTER, cross=True),
+            lambda: RefLayer(heads, head_size, H, INTER, cross=True),
             lambda: (_hidden(), _hidden(3), _mask(), _mask()),
         ),
         "transformer": (
@@ -187,14 +190,14 @@ def _cases():
                 pre_layernorm=True,
                 post_layernorm=False,
             ),
-            lambda: RefTransformer(2, HEADS, HS, H, INTER, pre=True, post=False, causal=True),
+            lambda: RefTransformer(2, heads, head_size, H, INTER, pre=True, post=False, causal=True),
             lambda: (_hidden(), None),
         ),
         "transformer_both_norms": (
             lambda: smp.nn.DistributedTransformer(
                 2, **layer, intermediate_size=INTER, pre_layernorm=True, post_layernorm=True
             ),
-            lambda: RefTransformer(2, HEADS, HS, H, INTER, pre=True, post=True),
+            lambda: RefTransformer(2, heads, head_size, H, INTER, pre=True, post=True),
             lambda: (_hidden(), _mask()),
         ),
         "lm_head": (
@@ -208,7 +211,7 @@ def _cases():
                 pre_layernorm=True,
                 post_layernorm=False,
             ),  # fmt: skip
-            lambda: RefLMHead(2, HEADS, HS, H, INTER, VOCAB, SEQ),
+            lambda: RefLMHead(2, heads, head_size, H, INTER, VOCAB, SEQ),
             lambda: (_ids(), None, None, None, _ids(4)),
         ),
     }
@@ -604,37 +607,51 @@ def test_rotary_model_hooks_name_what_smp_nn_lacks(model, function, model_class,
     assert getattr(ours, f"translate_hf_{model}_state_dict_to_smdistributed")(state, 8) is state
 
 
-# --- tp=2, two processes: every module against the dense reference ---------------------------------
+# --- tp=2 and tp=4, two and four processes: every module against the dense reference ----------------
 
 REL = 1e-10  # float64 throughout: the only differences are summation orders
+# 4 heads of 4 (16 features, not the hidden size 8), intermediate 16, vocabulary 16: each divides by 4,
+# so tp=2 has 2 heads per rank and tp=4 one.
+TP_HEADS = 4
 
 
-def _modules_tp2(rank, world_size):
+def _modules_at_tp(rank, world_size):
     import smp
 
-    smp.init({"tensor_parallel_degree": 2})
+    smp.init({"tensor_parallel_degree": world_size})
+    cases = _cases(TP_HEADS)
     errs = {}
-    for case, (build, build_ref, make_input) in _cases().items():
+    for case, (build, build_ref, make_input) in cases.items():
         torch.manual_seed(0)
         ref = build_ref().double()
         module = build().double()
         smp.nn.load_full_state_dict(module, ref.state_dict())
         whole = smp.nn.full_state_dict(module)
         errs[f"{case}/state"] = max(_max_err(whole[k], v) for k, v in ref.state_dict().items())
-        errs.update({f"{case}/{k}": v for k, v in _compare(module, ref, _as_tuple(make_input())).items()})
+        compared = _compare(module, ref, _as_tuple(make_input()))
+        errs.update({f"{case}/{k}": v for k, v in compared.items()})
+        # Every dense parameter's gradient was compared with the gathered shards' (as an error: 0).
+        errs[f"{case}/uncompared"] = len({n for n, _ in ref.named_parameters()} - set(compared))
     local_shapes = {
         "attention.query.weight": tuple(module.transformer.seq_layers[0].attention.query.weight.shape),
         "output.dense2.weight": tuple(module.transformer.seq_layers[0].output.dense2.weight.shape),
         "word_embedding.weight": tuple(module.word_embedding.weight.shape),
     }
-    return errs, local_shapes, _training(), _initialization(), _bf16(), _divisibility_errors()
+    return (
+        errs,
+        local_shapes,
+        _training(cases),
+        _initialization(world_size),
+        _bf16(cases),
+        _divisibility_errors(),
+    )
 
 
-def _training():
+def _training(cases):
     """The LM head model and its dense reference, 3 SGD steps each: the losses."""
     import smp
 
-    build, build_ref, _ = _cases()["lm_head"]
+    build, build_ref, _ = cases["lm_head"]
     torch.manual_seed(0)
     ref = build_ref().double()
     module = build().double()
@@ -653,7 +670,7 @@ def _training():
     return losses
 
 
-def _initialization():
+def _initialization(tp):
     import smp
 
     torch.manual_seed(0)
@@ -663,15 +680,16 @@ def _initialization():
     same_ok = all(torch.equal(v, dense.state_dict()[k]) for k, v in smp.nn.full_state_dict(same).items())
     own = smp.nn.DistributedTransformerOutputLayer(H, INTER)  # SMP's default: each shard its own draw
     gathered = smp.nn.full_state_dict(own)["dense2.weight"]
-    halves = gathered.chunk(2, dim=1)
-    return {"same_seed_equals_dense": same_ok, "shards_differ": not torch.allclose(halves[0], halves[1]),
+    parts = gathered.chunk(tp, dim=1)
+    differ = all(not torch.allclose(a, b) for i, a in enumerate(parts) for b in parts[i + 1 :])
+    return {"same_seed_equals_dense": same_ok, "shards_differ": differ,
             "replicated_bias": own.dense2.bias.tolist()}  # fmt: skip
 
 
-def _bf16():
+def _bf16(cases):
     import smp
 
-    build, build_ref, make_input = _cases()["layer"]
+    build, build_ref, make_input = cases["layer"]
     torch.manual_seed(0)
     ref = build_ref()
     module = build()
@@ -704,16 +722,23 @@ def _divisibility_errors():
     return messages
 
 
-def test_modules_match_dense_at_tp2():
-    results = run_ranks(_modules_tp2, 2, timeout=90)
-    assert results[0][3]["replicated_bias"] == results[1][3]["replicated_bias"]  # whole tensors agree
+@pytest.mark.parametrize("tp", [2, 4])
+def test_modules_match_dense(tp):
+    """Each smp.nn module at tp=2 and tp=4 (one process launch each) against its dense reference
+    in float64: output, input gradients and every parameter's gathered gradient; then the LM head
+    trained 3 steps, initialization, bf16 and the divisibility errors."""
+    results = run_ranks(_modules_at_tp, tp, timeout=90 if tp == 2 else 150)
+    assert all(r[3]["replicated_bias"] == results[0][3]["replicated_bias"] for r in results)  # agree
     for errs, shapes, (losses, ref_losses), init, bf16, messages in results:
+        # Every case compared its output, its floating-point inputs' gradients and each parameter's.
+        for case in _CASE_NAMES:
+            assert {f"{case}/out", f"{case}/state"} <= set(errs), (case, sorted(errs))
         bad = {k: v for k, v in errs.items() if not v < REL}
         assert not bad, bad
         assert shapes == {
-            "attention.query.weight": (HEADS * HS // 2, H),
-            "output.dense2.weight": (H, INTER // 2),
-            "word_embedding.weight": (VOCAB // 2, H),
+            "attention.query.weight": (TP_HEADS * HS // tp, H),
+            "output.dense2.weight": (H, INTER // tp),
+            "word_embedding.weight": (VOCAB // tp, H),
         }
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True)) < REL, (
             losses,
@@ -724,14 +749,27 @@ def test_modules_match_dense_at_tp2():
         assert bf16 < 3e-2, bf16
         expected = [
             "DistributedAttentionLayer: num_attention_heads=3 does not divide by the tensor-parallel",
-            "DistributedLinear: out_features=7 does not divide by the tensor-parallel degree 2",
-            "DistributedEmbedding: embedding_dim=7 does not divide by the tensor-parallel degree 2",
+            f"DistributedLinear: out_features=7 does not divide by the tensor-parallel degree {tp}",
+            f"DistributedEmbedding: embedding_dim=7 does not divide by the tensor-parallel degree {tp}",
             "DistributedTransformerOutputLayer: intermediate_size=15 does not divide by the tensor-parallel",
-            "DistributedTransformerLMHead: vocab_size=15 does not divide by the tensor-parallel degree 2",
+            f"DistributedTransformerLMHead: vocab_size=15 does not divide by the tensor-parallel degree {tp}",
         ]
         for message, start in zip(messages, expected, strict=True):
             assert message is not None and message.startswith(f"smp.nn.{start}"), message
-            assert "multiple of 2" in message
+            assert f"multiple of {tp}" in message
+
+
+_CASE_NAMES = [
+    "linear",
+    "embedding",
+    "attention",
+    "cross_attention",
+    "output",
+    "layer",
+    "transformer",
+    "transformer_both_norms",
+    "lm_head",
+]
 
 
 # --- tp=2, two processes: registered classes inside smp.DistributedModel ------------------------------
@@ -1023,6 +1061,262 @@ def test_registered_modules_train_like_the_dense_model(tmp_path):
         pairs = zip(gpt2_bf16["losses"], gpt2_bf16["ref_losses"], strict=True)
         assert max(abs(a - b) / b for a, b in pairs) < 2e-2, gpt2_bf16
         assert gpt2_bf16["param_err"] < 2e-2, gpt2_bf16
+
+
+# --- a custom block as in SMP v1's ViT and custom GPT-2 scripts: register, build, train, save, resume ---
+
+FEATURES, CLASSES, CUSTOM_ROWS, CUSTOM_LR = 6, 4, 8, 1e-2
+CUSTOM_STEPS, CUSTOM_SAVED_AT = 4, 2  # the checkpoint is written after 2 of the 4 steps
+
+
+class CustomBlock(nn.Module):
+    """A user's own pre-LN block with names of its own, called as Hugging Face blocks are
+    (`block(x, attention_mask=mask)` -> `(x,)`); registered to DistributedTransformerLayer in the
+    ranks' processes only."""
+
+    def __init__(self, dim, heads, mlp_ratio=4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(dim, mlp_ratio * dim), nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x, attention_mask=None):
+        b, s, d = x.shape
+
+        def split(t):
+            return t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        h = self.norm1(x)
+        ctx = F.scaled_dot_product_attention(
+            split(self.q(h)), split(self.k(h)), split(self.v(h)), attn_mask=attention_mask
+        )
+        x = x + self.proj(ctx.transpose(1, 2).reshape(b, s, d))
+        return (x + self.fc2(F.gelu(self.fc1(self.norm2(x)))),)
+
+
+class CustomModel(nn.Module):
+    """ViT-like: features in, CustomBlocks over a padding mask (all-zero tokens), the first token's
+    class scores out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, H)
+        self.blocks = nn.ModuleList(CustomBlock(H, HEADS) for _ in range(2))
+        self.norm = nn.LayerNorm(H)
+        self.head = nn.Linear(H, CLASSES)
+
+    def forward(self, x):
+        padding = (x == 0).all(-1)[:, None, None, :]
+        mask = torch.zeros_like(padding, dtype=x.dtype).masked_fill(padding, torch.finfo(x.dtype).min)
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, attention_mask=mask)[0]
+        return self.head(self.norm(h[:, 0]))
+
+
+def _register_custom_block():
+    """The script's registration: SMP's decorator, applied to the user's class, with its hooks."""
+    import smp
+
+    def init_hook(dim, heads, mlp_ratio=4):
+        return (), {
+            "num_attention_heads": heads,
+            "attention_head_size": dim // heads,
+            "hidden_size": dim,
+            "intermediate_size": mlp_ratio * dim,
+            "pre_layernorm": True,
+            "post_layernorm": False,
+            **NO_DROPOUT,
+        }
+
+    def forward_hook(x, attention_mask=None):
+        return ((x, attention_mask),), {}
+
+    def return_hook(out):
+        return (out[0],)
+
+    smp.tp_register(smp.nn.DistributedTransformerLayer, init_hook, forward_hook, return_hook)(CustomBlock)
+
+
+_CUSTOM_KEYS = {
+    "norm1": "attention.pre_layernorm",
+    "q": "attention.query",
+    "k": "attention.key",
+    "v": "attention.value",
+    "proj": "attention.dense",
+    "norm2": "output.pre_layernorm",
+    "fc1": "output.dense1",
+    "fc2": "output.dense2",
+}
+
+
+def _custom_to_smp(state):
+    """The script's translation from its own block's keys to DistributedTransformerLayer's."""
+
+    def key(k):
+        parts = k.split(".")
+        if parts[0] == "blocks" and parts[2] in _CUSTOM_KEYS:
+            return ".".join([*parts[:2], _CUSTOM_KEYS[parts[2]], *parts[3:]])
+        return k
+
+    return {key(k): v for k, v in state.items()}
+
+
+def _custom_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(CUSTOM_ROWS, SEQ, FEATURES, generator=g)
+    x[::2, -2:] = 0  # every other row ends in two padding tokens
+    return x, torch.randint(0, CLASSES, (CUSTOM_ROWS,), generator=g)
+
+
+def _custom_train(dmodel, opt, steps):
+    """AdamW steps `steps` (global step numbers pick the batches); this rank's losses. Each
+    data-parallel rank (without prescaled_batch, each tensor-parallel one) reads its own rows."""
+    import smp
+
+    @smp.step
+    def train_step(x, labels):
+        loss = F.cross_entropy(dmodel(x), labels)
+        dmodel.backward(loss)
+        return loss
+
+    per, shard = CUSTOM_ROWS // smp.dp_size(), smp.dp_rank()
+    losses = []
+    for step in steps:
+        x, labels = _custom_batch(step)
+        rows = slice(shard * per, (shard + 1) * per)
+        opt.zero_grad()
+        losses.append(train_step(x[rows], labels[rows]).reduce_mean().item())
+        opt.step()
+    return losses
+
+
+def _custom_model(config, seed):
+    """Registered, smp initialized, built under smp.tensor_parallelism() from `seed`."""
+    import smp
+
+    _register_custom_block()
+    smp.init(config)
+    torch.manual_seed(seed)
+    with smp.tensor_parallelism():
+        model = CustomModel()
+    replaced = all(isinstance(b, smp.nn.DistributedTransformerLayer) for b in model.blocks)
+    return model, replaced
+
+
+def _custom_wrap(model):
+    import smp
+
+    dmodel = smp.DistributedModel(model)
+    return dmodel, smp.DistributedOptimizer(torch.optim.AdamW(dmodel.parameters(), lr=CUSTOM_LR))
+
+
+def _stage_blocks(dmodel):
+    """The blocks whose parameters this rank's pipeline stage holds."""
+    return sorted({".".join(n.split(".")[:2]) for n, _ in dmodel.local_named_parameters() if "blocks." in n})
+
+
+def _custom_uninterrupted(rank, world_size, config, folder, partial):
+    """The dense model trained 4 steps in this process; the registered model from the same weights
+    trained 2 steps, checkpointed, and trained 2 more without stopping."""
+    import smp
+
+    torch.manual_seed(0)
+    dense = CustomModel()
+    whole = _custom_to_smp({k: v.clone() for k, v in dense.state_dict().items()})
+    opt = torch.optim.AdamW(dense.parameters(), lr=CUSTOM_LR)
+    ref_losses = []
+    for step in range(CUSTOM_STEPS):
+        x, labels = _custom_batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(dense(x), labels)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    model, replaced = _custom_model(config, seed=0)
+    smp.nn.load_full_state_dict(model, whole)
+    dmodel, opt = _custom_wrap(model)
+    losses = _custom_train(dmodel, opt, range(CUSTOM_SAVED_AT))
+    smp.save_checkpoint(
+        folder, "custom", partial=partial, model=dmodel, optimizer=opt, user_content={"step": CUSTOM_SAVED_AT}
+    )
+    losses += _custom_train(dmodel, opt, range(CUSTOM_SAVED_AT, CUSTOM_STEPS))
+    state = dmodel.state_dict()
+    trained = _custom_to_smp(dense.state_dict())
+    return {
+        "replaced": replaced,
+        "stage_blocks": _stage_blocks(dmodel),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        # Not the key biases: softmax ignores them, so their gradients are rounding noise, which
+        # AdamW's normalization turns into steps of about lr, different on each layout.
+        "param_err": max(_max_err(state[k], trained[k]) for k in trained if not k.endswith("key.bias")),
+        "state": {k: v.tolist() for k, v in state.items()},
+    }
+
+
+def _custom_resumed(rank, world_size, config, folder, partial):
+    """A fresh job: registered, built from other weights, resumed from the checkpoint, 2 steps."""
+    import smp
+
+    model, replaced = _custom_model(config, seed=1)
+    dmodel, opt = _custom_wrap(model)
+    user = smp.resume_from_checkpoint(folder, tag="custom", partial=partial)
+    losses = _custom_train(dmodel, opt, range(user["step"], CUSTOM_STEPS))
+    return {
+        "replaced": replaced,
+        "stage_blocks": _stage_blocks(dmodel),
+        "user": user,
+        "losses": losses,
+        "state": {k: v.tolist() for k, v in dmodel.state_dict().items()},
+    }
+
+
+PP2_TP2 = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
+
+
+@pytest.mark.parametrize(
+    "config, partial",
+    [
+        pytest.param({"tensor_parallel_degree": 2}, True, id="tp2-partial"),
+        pytest.param(PP2_TP2, False, id="pp2xtp2-full"),
+    ],
+)
+def test_custom_block_registered_trained_saved_and_resumed(tmp_path, config, partial):
+    """SMP v1's custom-block script: a user's block class registered with @smp.tp_register and
+    hooks, built under smp.tensor_parallelism(), trained with AdamW, saved with smp.save_checkpoint
+    after 2 steps and resumed in fresh processes (fresh smp.init, other initial weights) with
+    smp.resume_from_checkpoint: the 2 steps after resuming are those of the uninterrupted run,
+    which are the dense model's."""
+    world = config.get("pipeline_parallel_degree", 1) * config["tensor_parallel_degree"]
+    folder = str(tmp_path)
+    first = run_ranks(_custom_uninterrupted, world, config, folder, partial, timeout=120)
+    second = run_ranks(_custom_resumed, world, config, folder, partial, timeout=120)
+
+    def mean_losses(results):  # each tensor-parallel rank's loss covers its own rows
+        return [sum(r["losses"][i] for r in results) / len(results) for i in range(len(results[0]["losses"]))]
+
+    losses, resumed = mean_losses(first), mean_losses(second)
+    ref_losses = first[0]["ref_losses"]
+    assert all(r["replaced"] for r in first + second)
+    # At pp=2 the two stages (ranks 0-1 and 2-3) hold one block each; at pp=1 each rank holds both.
+    per_stage = [["blocks.0"], ["blocks.1"]] if world == 4 else [["blocks.0", "blocks.1"]]
+    stages = [blocks for blocks in per_stage for _ in range(2)]
+    held = [r["stage_blocks"] for r in first], [r["stage_blocks"] for r in second]
+    assert held[0] == held[1] == stages, held
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0], ref_losses
+    assert all(r["param_err"] < 1e-5 for r in first), [r["param_err"] for r in first]
+    assert all(r["user"] == {"step": CUSTOM_SAVED_AT} for r in second), second[0]["user"]
+    # Resumed: the continuation of the uninterrupted run, losses and every trained tensor (bit for bit
+    # on CPU; the tolerance leaves room for nondeterministic kernels).
+    tail = losses[CUSTOM_SAVED_AT:]
+    assert max(abs(a - b) / b for a, b in zip(resumed, tail, strict=True)) < 1e-6, (resumed, tail)
+    want, got = first[0]["state"], second[0]["state"]
+    assert set(got) == set(want)
+    errs = {k: _max_err(torch.tensor(got[k]), torch.tensor(want[k])) for k in want}
+    assert max(errs.values()) < 1e-6, errs
 
 
 # --- tp=2 x rdp=2, four processes: sharded optimizer state and torch.compile ----------------------
