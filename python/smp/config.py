@@ -354,6 +354,7 @@ def _check_combination(config: Config) -> Config:
         )
     if config.sharded_data_parallel_degree != 1:
         _check_sdp(config)
+    _check_cuda_graphs(config)
     if tp & (tp - 1):
         warnings.warn(
             f"smp config: tensor_parallel_degree={tp} is not a power of two; SMP recommends 2, 4 or 8 "
@@ -361,6 +362,32 @@ def _check_combination(config: Config) -> Config:
             stacklevel=3,
         )
     return config
+
+
+# torch.compile modes that record CUDA graphs (CUDAGraph trees).
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _check_cuda_graphs(config: Config) -> None:
+    """CUDA graphs only where they were measured to keep parity: a model that runs whole. A graph
+    overwrites its outputs at the next replay; a pipeline keeps several microbatches' outputs and
+    messages alive at once, and sharded layouts run collectives and FSDP2's hooks between graphs."""
+    mode = (config.compile or {}).get("mode")
+    if mode not in _CUDA_GRAPH_MODES:
+        return
+    layout = {
+        "pipeline_parallel_degree": config.pipeline_parallel_degree,
+        "tensor_parallel_degree": config.tensor_parallel_degree,
+        "sharded_data_parallel_degree": config.sharded_data_parallel_degree,
+    }
+    over = {k: v for k, v in layout.items() if v != 1}
+    if over:
+        listed = ", ".join(f"{k}={v}" for k, v in over.items())
+        raise ValueError(
+            f"smp config: compile mode {mode!r} records CUDA graphs, which smp supports only for a model "
+            f"that runs whole (every degree 1), not with {listed}; use 'compile': true (or mode "
+            "'default' / 'max-autotune-no-cudagraphs') in this layout"
+        )
 
 
 def _check_sdp(config: Config) -> None:

@@ -151,3 +151,19 @@ def test_tensor_parallelism_across_nodes_warns():
 def test_legacy_keys_are_accepted_with_a_warning():
     with pytest.warns(UserWarning, match="'ddp_dist_backend' configured SMP v1's plumbing"):
         cfg.parse({"ddp_dist_backend": "auto"})
+
+
+def test_cuda_graph_compile_modes_only_where_the_model_runs_whole():
+    from smp import config
+
+    assert config.parse({"compile": {"mode": "reduce-overhead"}}).compile["mode"] == "reduce-overhead"
+    for layout in (
+        {"pipeline_parallel_degree": 2, "microbatches": 2},
+        {"tensor_parallel_degree": 2},
+        {"sharded_data_parallel_degree": 2},
+    ):
+        for mode in ("reduce-overhead", "max-autotune"):
+            wanted = f"compile mode '{mode}' records CUDA graphs.*{next(iter(layout))}=2"
+            with pytest.raises(ValueError, match=wanted):
+                config.parse(layout | {"compile": {"mode": mode}})
+    assert config.parse({"pipeline_parallel_degree": 2, "compile": {"mode": "max-autotune-no-cudagraphs"}})
