@@ -218,3 +218,23 @@ __all__ = [
     "rename",
     "unsupported",
 ]
+
+
+def gpt_layer_kwargs(config) -> dict[str, Any]:
+    """The DistributedTransformerLayer arguments of a config with GPT-2's names (GPT-2, GPT-J):
+    a pre-LN causal block."""
+    return {
+        "num_attention_heads": config.n_head,
+        "attention_head_size": config.n_embd // config.n_head,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.n_inner or 4 * config.n_embd,
+        "attention_dropout_prob": config.attn_pdrop,
+        "hidden_dropout_prob": config.resid_pdrop,
+        "activation": config.activation_function,
+        "layernorm_epsilon": config.layer_norm_epsilon,
+        "initializer_range": config.initializer_range,
+        "use_normal_initialization": True,
+        "causal_mask_size": config.n_positions,
+        "pre_layernorm": True,
+        "post_layernorm": False,
+    }

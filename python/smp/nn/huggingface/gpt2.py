@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from smp.nn.huggingface import masks
+from smp.nn.huggingface import causal_lm, masks
 from smp.nn.transformer import ACTIVATIONS
 from smp.tensor_parallel import registration
 
@@ -67,22 +67,7 @@ def _layer_kwargs(config) -> dict[str, Any]:
         raise _unsupported(
             f"activation_function={config.activation_function!r}", f"use one of {sorted(ACTIVATIONS)}"
         )
-    return {
-        "num_attention_heads": config.n_head,
-        "attention_head_size": config.n_embd // config.n_head,
-        "hidden_size": config.n_embd,
-        "intermediate_size": config.n_inner or 4 * config.n_embd,
-        "attention_dropout_prob": config.attn_pdrop,
-        "hidden_dropout_prob": config.resid_pdrop,
-        "activation": config.activation_function,
-        "layernorm_epsilon": config.layer_norm_epsilon,
-        "initializer_range": config.initializer_range,
-        "use_normal_initialization": True,
-        "causal_mask_size": config.n_positions,
-        "add_cross_attention": False,
-        "pre_layernorm": True,
-        "post_layernorm": False,
-    }
+    return causal_lm.gpt_layer_kwargs(config) | {"add_cross_attention": False}
 
 
 def forward_hook(

@@ -78,20 +78,7 @@ def _layer_kwargs(config, module: str) -> dict[str, Any]:
         raise _refuse(
             f"activation_function={config.activation_function!r}", f"use one of {sorted(ACTIVATIONS)}", module
         )
-    return {
-        "num_attention_heads": config.n_head,
-        "attention_head_size": config.n_embd // config.n_head,
-        "hidden_size": config.n_embd,
-        "intermediate_size": config.n_inner or 4 * config.n_embd,
-        "attention_dropout_prob": config.attn_pdrop,
-        "hidden_dropout_prob": config.resid_pdrop,
-        "activation": config.activation_function,
-        "layernorm_epsilon": config.layer_norm_epsilon,
-        "initializer_range": config.initializer_range,
-        "use_normal_initialization": True,
-        "causal_mask_size": config.n_positions,
-        "pre_layernorm": True,
-        "post_layernorm": False,
+    return causal_lm.gpt_layer_kwargs(config) | {
         "rotary_dim": config.rotary_dim,
         "rotary_interleaved": True,
         "rotary_emb_base": 10000.0,  # GPT-J's create_sinusoidal_positions
