@@ -26,7 +26,7 @@ import time
 import smp
 import torch
 from gpu import plain_contestant, smp_contestant  # the same steps as the GPU benchmark's
-from transformers import GPT2Config, GPT2LMHeadModel
+from sdp import build
 
 SHAPES = {  # layers, dim, heads, seq, batch
     "small": (2, 64, 4, 64, 4),  # issue 34's: ~10 ms steps on 2 cores
@@ -35,25 +35,9 @@ SHAPES = {  # layers, dim, heads, seq, batch
 }
 
 
-def make_model(shape: str) -> GPT2LMHeadModel:
+def make_model(shape: str):
     layers, dim, heads, seq, _ = SHAPES[shape]
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=dim,
-        n_head=heads,
-        n_positions=seq,
-        vocab_size=256,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"  # HF's fallback, named: its warning_once breaks torch.compile's graph
-    return model
+    return build(layers, dim, heads, seq, vocab=256)  # the sdp benchmark's GPT-2 (eager attention)
 
 
 def plain_step(model, compile_: bool):
