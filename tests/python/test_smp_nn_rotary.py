@@ -434,3 +434,17 @@ def test_rotary_blocks_in_a_tensor_parallel_pipeline():
                 name,
                 case,
             )
+
+
+def test_neox_head_count_from_built_models_is_never_a_guess(monkeypatch):
+    """Without num_attention_heads=, the fused qkv split uses the head count of the models built
+    at that width: one count is used, two are an error, none is an error."""
+    from smp.nn.huggingface import gptneox
+
+    monkeypatch.setattr(gptneox, "_heads_by_width", {8: {2}, 16: {2, 4}})
+    assert gptneox._heads(8, None) == 2
+    assert gptneox._heads(16, 4) == 4
+    with pytest.raises(ValueError, match=r"hidden_size=16 were built with \[2, 4\] attention heads"):
+        gptneox._heads(16, None)
+    with pytest.raises(ValueError, match="hidden_size=32 is unknown"):
+        gptneox._heads(32, None)

@@ -23,8 +23,8 @@ whole model registered besides: gpt_neox.embed_in -> word_embedding, gpt_neox.la
 transformer.seq_layers.<i>, gpt_neox.final_layer_norm -> layernorm, embed_out / lm_head -> lm_head.
 
 Splitting the fused projection needs the number of heads: the translate functions take
-`num_attention_heads=`, and otherwise use the number of the model last built with these hooks
-for that hidden size.
+`num_attention_heads=`, and otherwise use the number of the models built with these hooks at
+that hidden size (an error if those had different numbers).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ _FUSED, _QKV = "attention.query_key_value", ("query", "key", "value")
 # Older transformers' buffers (causal mask, rotary frequencies), not parameters.
 _OLD_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
 
-# hidden_size -> num_attention_heads of the models built with these hooks (see the docstring).
-_heads_by_width: dict[int, int] = {}
+# hidden_size -> the numbers of attention heads of the models built with these hooks (see the
+# docstring); a width built with two head counts is ambiguous and needs num_attention_heads=.
+_heads_by_width: dict[int, set[int]] = {}
 
 
 def _causal_lm_class():
@@ -103,7 +104,7 @@ def _layer_kwargs(config, module: str) -> dict[str, Any]:
     head_size = config.hidden_size // heads
     theta, fraction = _rope(config, module)
     bias = getattr(config, "attention_bias", True)
-    _heads_by_width[config.hidden_size] = heads
+    _heads_by_width.setdefault(config.hidden_size, set()).add(heads)
     return {
         "num_attention_heads": heads,
         "attention_head_size": head_size,
@@ -170,7 +171,14 @@ def get_hf_gptneox_transformer_layer_hooks():
 
 
 def _heads(width: int, given: int | None) -> int:
-    heads = given if given is not None else _heads_by_width.get(width)
+    seen = _heads_by_width.get(width, set())
+    if given is None and len(seen) > 1:
+        raise ValueError(
+            f"smp.nn.huggingface.gptneox: GPT-NeoX models of hidden_size={width} were built with "
+            f"{sorted(seen)} attention heads, so the fused query_key_value's split is ambiguous: pass "
+            "num_attention_heads=config.num_attention_heads"
+        )
+    heads = given if given is not None else next(iter(seen), None)
     if heads is None:
         raise ValueError(
             f"smp.nn.huggingface.gptneox: the number of attention heads of a model with hidden_size={width} "
