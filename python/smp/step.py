@@ -101,25 +101,66 @@ def step(
                 f"{fn.__name__}{signature}"
             )
 
+    named = not whole and not axes  # every argument is split along axis 0: names only for errors
+    bindable: set[tuple] = set()  # call shapes (positional count, keyword names) that bind
+    # Until the function has run a backward through model.backward, its model outputs refuse a
+    # loss.backward() (smp.engine.inputs.guarded): a step function calls one or the other, and the
+    # hooks that check cost more host time per step than all the rest of smp's at pp = 1.
+    guarded = [True]
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         st = parallel_state.state()
         m = st.config.microbatches
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise ValueError(
-                f"smp.step: {fn.__name__}{signature} cannot take these arguments ({e}); call it as its "
-                "signature says"
-            ) from e
-        pieces, batch_size = _split_arguments(bound, m, whole, axes)
-        microbatches = [Microbatch(k, fn, a, kw, batch_size) for k, (a, kw) in enumerate(pieces)]
-        engine = st.model.engine if st.model is not None else None
-        executor.run(st.config.schedule(), parallel_state.pp_rank(), microbatches, engine, fn.__name__)
+        shape = (len(args), tuple(kwargs))
+        batch_size = _whole_batch(args, kwargs) if m == 1 and named and shape in bindable else _SPLIT
+        if batch_size is _SPLIT:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise ValueError(
+                    f"smp.step: {fn.__name__}{signature} cannot take these arguments ({e}); call it as "
+                    "its signature says"
+                ) from e
+            bindable.add(shape)  # binding depends on the call's shape only
+            pieces, batch_size = _split_arguments(bound, m, whole, axes)
+        else:
+            pieces = [(args, kwargs)]
+        guard = guarded[0]
+        microbatches = [Microbatch(k, fn, a, kw, batch_size, guard) for k, (a, kw) in enumerate(pieces)]
+        if st.model is not None:
+            engine = st.model.engine
+            executor.run(engine.schedule, engine.groups.pp_rank, microbatches, engine, fn.__name__)
+        else:
+            executor.run(st.config.schedule(), parallel_state.pp_rank(), microbatches, None, fn.__name__)
+        if guard and any(mb.backward_calls for mb in microbatches):
+            guarded[0] = False
         results = [mb.result for mb in microbatches]
         return _per_microbatch(results, detach_outputs)
 
     return run
+
+
+_SPLIT = object()  # _whole_batch's answer where the arguments need the full split and its checks
+
+
+def _whole_batch(args: tuple, kwargs: dict) -> int | None | object:
+    """One microbatch of arguments that are tensors or plain scalars: the batch size, which the
+    split and its checks would give too (they pass such arguments through unchanged), without
+    binding or walking them per step. `_SPLIT` for anything else, or anything the split's checks
+    would refuse: the full split then raises its error, with the argument's name."""
+    size = None
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or not value.is_cpu and not _on_this_device(value):
+                return _SPLIT
+            rows = value.shape[0]
+            if rows == 0 or size is not None and rows != size:
+                return _SPLIT
+            size = rows
+        elif not isinstance(value, (int, float, bool, str, type(None))):
+            return _SPLIT
+    return size
 
 
 def _split_arguments(bound: inspect.BoundArguments, m: int, whole: set[str], axes: dict[str, int]):
@@ -166,15 +207,14 @@ def _batch_size(split: dict[str, list[Any]], axes: dict[str, int]) -> int | None
     return next(iter(sizes), None)
 
 
+def _on_this_device(value: torch.Tensor) -> bool:
+    device = value.device
+    return device.type == "cuda" and torch.cuda.is_available() and device.index == torch.cuda.current_device()
+
+
 def _check_device(value: torch.Tensor, name: str) -> None:
     """CPU tensors are moved to the rank's device by smp; others must already be on it."""
-    if value.device.type == "cpu":
-        return
-    if (
-        value.device.type == "cuda"
-        and torch.cuda.is_available()
-        and value.device.index == torch.cuda.current_device()
-    ):
+    if value.device.type == "cpu" or _on_this_device(value):
         return
     expected = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     raise ValueError(
@@ -229,12 +269,14 @@ def _transpose(items: list[list[Any]], kind: type, m: int) -> list[Any]:
 
 def _per_microbatch(results: list[Any], detach: bool) -> Any:
     first = results[0]
+    if len(results) == 1 and isinstance(first, torch.Tensor):  # (the common case, without the walk)
+        return StepOutput([first.detach() if detach and first.requires_grad else first])
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
         return type(first)(_per_microbatch([r[i] for r in results], detach) for i in range(len(first)))
     if isinstance(first, dict):
         return {k: _per_microbatch([r[k] for r in results], detach) for k in first}
     if not any(isinstance(r, torch.Tensor) for r in results):
         return StepValues(results)  # SMP v1: non-tensor values (a loss's .item()) come back as a list
-    if detach:
-        results = [r.detach() if isinstance(r, torch.Tensor) else r for r in results]
+    if detach:  # (a tensor that requires no grad is detached already)
+        results = [r.detach() if isinstance(r, torch.Tensor) and r.requires_grad else r for r in results]
     return StepOutput(results)

@@ -16,10 +16,10 @@ CASES = {
 }
 
 
-def _bad_inputs(rank, world):
+def _bad_inputs(rank, world, microbatches=2):
     import smp
 
-    smp.init({"microbatches": 2})
+    smp.init({"microbatches": microbatches})
     model = smp.DistributedModel(torch.nn.Linear(4, 4))
 
     @smp.step
@@ -28,6 +28,7 @@ def _bad_inputs(rank, world):
         model.backward(loss)
         return loss
 
+    train_step(torch.zeros(4, 4), torch.zeros(4, 4))  # a good call first: its shape is known to bind
     messages = {}
     for case, (make, _) in CASES.items():
         try:
@@ -41,6 +42,14 @@ def test_step_arguments_by_message():
     (messages,) = run_ranks(_bad_inputs, 1, init=False)
     for case, (_, expected) in CASES.items():
         assert expected in messages.get(case, ""), (case, messages.get(case))
+
+
+def test_step_arguments_by_message_with_one_microbatch():
+    """One microbatch takes a shorter way through the arguments: the same errors come out of it."""
+    (messages,) = run_ranks(_bad_inputs, 1, 1, init=False)
+    for case, (_, expected) in CASES.items():
+        if case != "indivisible batch":  # (any batch divides into one)
+            assert expected in messages.get(case, ""), (case, messages.get(case))
 
 
 def _misuse(rank, world):
@@ -62,10 +71,20 @@ def _misuse(rank, world):
         model.backward(loss)
         return loss
 
+    @smp.step
+    def evaluate_then_manual_backward(x, train):
+        loss = model(x).sum()
+        if train:
+            loss.backward()
+        return loss
+
     messages = {}
     for case, call in {
         "optimizer before any step": optimizer.step,
         "manual loss.backward()": lambda: manual_backward(torch.zeros(2, 4)),
+        "loss.backward() after forward-only steps": lambda: [
+            evaluate_then_manual_backward(torch.zeros(2, 4), train) for train in (False, False, True)
+        ],
         "wrong arguments": lambda: train_step(torch.zeros(2, 4), torch.zeros(2, 4)),
     }.items():
         try:
@@ -81,6 +100,7 @@ def test_misuse_by_message():
         "optimizer.step() was called before any @smp.step function" in messages["optimizer before any step"]
     )
     assert "call model.backward(loss) instead" in messages["manual loss.backward()"]
+    assert "call model.backward(loss) instead" in messages["loss.backward() after forward-only steps"]
     assert "train_step(x) cannot take these arguments" in messages["wrong arguments"]
 
 

@@ -35,6 +35,8 @@ def run(
         recorder = None  # a step the timeline skips costs what an untimed one does
     # A model that runs whole never pauses a microbatch: each runs to its end at its F, here.
     inline = engine is None or not engine.captures
+    if inline and recorder is None and schedule.num_ranks == 1:
+        return _run_inline(microbatches, engine, pp_rank)
     try:
         if engine is not None:
             engine.start_step()
@@ -64,6 +66,29 @@ def run(
     except BaseException as error:
         for mb in microbatches:
             mb.abort()
+        if engine is not None:
+            engine.abandon_step(error)
+        converted = _name_what_failed(error, action, pp_rank)
+        if converted is not None:
+            raise converted from error
+        raise
+
+
+def _run_inline(microbatches: list[Microbatch], engine: Engine | None, pp_rank: int) -> None:
+    """A step of a model that runs whole on one pipeline rank, untimed: its microbatches one after
+    another, as any schedule orders a single stage's forwards (its B and W actions have nothing
+    left to do there), with nothing per action on the host."""
+    action = None
+    try:
+        if engine is not None:
+            engine.start_step()
+        for mb in microbatches:
+            action = Action("F", mb.index, pp_rank)
+            mb.run_here()
+        action = None
+        if engine is not None:
+            engine.finish_step()
+    except BaseException as error:
         if engine is not None:
             engine.abandon_step(error)
         converted = _name_what_failed(error, action, pp_rank)

@@ -92,9 +92,19 @@ def retire_threads() -> None:
 
 
 class Microbatch:
-    def __init__(self, index: int, fn: Callable, args: tuple, kwargs: dict, batch_size: int | None = None):
+    def __init__(
+        self,
+        index: int,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        batch_size: int | None = None,
+        guard_backward: bool = True,
+    ):
         self.index = index
         self.batch_size = batch_size  # rows of the split tensor arguments (None if none is split)
+        # Whether its model outputs refuse a backward that skips model.backward (smp.engine.inputs).
+        self.guard_backward = guard_backward
         self.forward_calls = 0
         self.backward_calls = 0
         self.result: Any = None
