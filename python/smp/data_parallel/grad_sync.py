@@ -94,6 +94,12 @@ class GradSync:
         recorder = timeline.recorder()
         self._timed = timeline.Pending(recorder) if recorder is not None else None  # buckets in flight
 
+    @property
+    def idle(self) -> bool:
+        """Whether a step has nothing to synchronize (one replica in fp32, no parameter shared
+        between stages): its start_step and finish_step would do nothing."""
+        return not self._buffered and not self._shared
+
     def follow_requires_grad(self, params: list[torch.nn.Parameter]) -> None:
         """Averages those of `params` (the model's parameters now, added ones included) that
         require grad now (between steps: nothing is in flight)."""

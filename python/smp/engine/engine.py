@@ -131,7 +131,7 @@ class Engine:
         if self.partitioned:
             for consumer in self._consumers:
                 consumer.step_starting()
-        if self.grad_sync is not None:
+        if self.grad_sync is not None and not self.grad_sync.idle:
             self._start_grad_sync()
         self._backward_ran = False
         self.steps_run += 1
@@ -142,9 +142,10 @@ class Engine:
             replicas.broadcast_over(self._buffers.now(), self.groups.dp, self.groups.dp_ranks)
 
     def finish_step(self) -> None:
-        self.programs.finish_step()
+        if self.captures:
+            self.programs.finish_step()
         self._checkpointing.finish_step()
-        if self.grad_sync is not None:
+        if self.grad_sync is not None and not self.grad_sync.idle:
             self.grad_sync.finish_step(self._backward_ran, publish=not self._consumers)
         if self.sharded_data is not None and self._backward_ran and self._accumulation.last_of_window:
             self.sharded_data.finish_backward()  # (once per window: the sums add across steps)
@@ -157,7 +158,8 @@ class Engine:
             if self._accumulation.backward_done():
                 for consumer in self._consumers:
                     consumer.gradients_ready()
-        _run_once(self._post_step_hooks, self.optimizer)
+        if self._post_step_hooks:
+            _run_once(self._post_step_hooks, self.optimizer)
 
     def fix_trained_parameters(self) -> None:
         """Called by an optimizer that builds state for the parameters requiring grad now (flat
@@ -167,7 +169,10 @@ class Engine:
 
     def _check_trained(self) -> None:
         if self.grad_sync is not None:  # (FSDP2 reads requires_grad each backward itself)
-            self._trained.check(lambda: self.grad_sync.follow_requires_grad(list(self.module.parameters())))
+            self._trained.check(self._follow_requires_grad)
+
+    def _follow_requires_grad(self) -> None:
+        self.grad_sync.follow_requires_grad(list(self.module.parameters()))
 
     def _start_grad_sync(self) -> None:
         self.grad_sync.start_step(
@@ -192,8 +197,12 @@ class Engine:
         if self.dtype is not None:
             args, kwargs = inputs.cast_floating((args, kwargs), self.dtype)
         if not self.captures:
-            with self._checkpointing.saving_for(mb.index):
-                return inputs.guarded(self._whole(*args, **kwargs), mb)
+            if self._checkpointing.offloader is None:  # (no context entered per step)
+                outputs = self._whole(*args, **kwargs)
+            else:
+                with self._checkpointing.saving_for(mb.index):
+                    outputs = self._whole(*args, **kwargs)
+            return inputs.guarded(outputs, mb) if mb.guard_backward else outputs
         kwargs = self._call_defaults | kwargs
         if self.groups.tp_size > 1:
             args, kwargs = tp_inputs.combine(
@@ -210,7 +219,8 @@ class Engine:
         if self._finite is not None:
             self._finite.activations(mb.index, mb.runtime.produced_by_stage(mb.index))
         mb.pause()
-        return inputs.guarded(pending.wait(), mb)
+        outputs = pending.wait()
+        return inputs.guarded(outputs, mb) if mb.guard_backward else outputs
 
     def backward(self, mb: Microbatch, tensors: list[torch.Tensor], grad_tensors: list) -> None:
         self._trained.raise_if_changed()

@@ -10,9 +10,12 @@ gradients left out or never averaged.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from torch import nn
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class TrainedSet:
@@ -22,6 +25,7 @@ class TrainedSet:
     def __init__(self, module: nn.Module):
         self._module = module
         self._named: list[tuple[str, nn.Parameter]] = []  # the parameters, when the set was taken
+        self._params: list[nn.Parameter] = []  # (the same, without names)
         self._flags: list[bool] = []  # and their requires_grad then
         self._final = False
         # If requires_grad changed after the set became final: the error for the next backward,
@@ -32,7 +36,8 @@ class TrainedSet:
     def take(self, final: bool) -> None:
         """Takes the set now (when the gradient handling is set up for it)."""
         self._named = list(self._module.named_parameters())
-        self._flags = [p.requires_grad for _, p in self._named]
+        self._params = [p for _, p in self._named]
+        self._flags = list(map(_REQUIRES_GRAD, self._params))
         self._final = final
 
     def make_final(self) -> None:
@@ -42,7 +47,7 @@ class TrainedSet:
         """At a step's start: a change before the set is final is followed (`follow()` sets the
         gradient handling up anew); a later one is recorded for the next backward to raise."""
         self.changed, self.changed_names = None, ()
-        now = [p.requires_grad for _, p in self._named]
+        now = list(map(_REQUIRES_GRAD, self._params))  # (each step: the loop in C)
         if now == self._flags:
             return
         if not self._final:
