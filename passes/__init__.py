@@ -14,7 +14,8 @@
 Running `pipe.stages` in order, feeding each the values it receives, computes the
 model's forward; smp.DistributedModel does that across processes.
 
-Modules: capture.py (torch.export), cost.py (FLOPs, bytes, measured times), partition.py
+Modules: capture.py (torch.export), bindings.py (a graph's forward through the Python bindings
+of its ops: faster eager), cost.py (FLOPs, bytes, measured times), partition.py
 (pipeline stages), follow.py (stages of another capture, following a partition), split.py (one
 GraphModule per stage), outline.py and regions.py (module regions moved into submodules:
 activation checkpointing), linear_forms.py (every spelling of a linear layer made one),
@@ -23,7 +24,7 @@ layout algebra, and a registry of rules, one per op, in rules/ by op family). Th
 installed as smp.passes (setup.py maps it).
 """
 
-from . import cost, outline, regions
+from . import bindings, cost, outline, regions
 from .capture import CapturedGraph, CaptureError, capture
 from .follow import follow_modules, follow_partition, module_stages
 from .partition import (
@@ -49,6 +50,7 @@ __all__ = [
     "StageModule",
     "Value",
     "auto_partition",
+    "bindings",
     "capture",
     "cost",
     "outline",

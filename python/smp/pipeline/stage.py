@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from smp import faults
-from smp.passes import PipelineGraph, Value
+from smp.passes import PipelineGraph, Value, bindings
 from smp.pipeline import message_order, split_backward
 from smp.services import activation_meter, timeline
 
@@ -153,6 +153,9 @@ class StageRuntime:
         self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
         self._deferrable: set[int] | None = None  # zero_bubble: ids of the weights W computes
         self._weights_at_b: list[torch.Tensor] | None = None  # zero_bubble: the weights B computes
+        # The stage graph's code its forward through Python bindings was made from (smp.passes.bindings;
+        # zero_bubble rewrites the graph after the runtime is made): a new code, a new forward.
+        self._bound_code: str | None = None
         # What every microbatch's messages follow, looked up once: the values received, produced,
         # the gradients coming back (value, sending stage), the ranks a model output goes to.
         values = pipe.values
@@ -193,9 +196,13 @@ class StageRuntime:
         stage_inputs = [self._to_device(flat[i]) for i in self.stage.inputs]
         stage_inputs += received.values()  # (in self.stage.received's order)
         grad_mode = torch.is_grad_enabled()
+        module = self.stage.module
+        if isinstance(module, torch.fx.GraphModule) and self._bound_code is not module.code:
+            bindings.use_python_bindings(module)  # (first, or the graph was rewritten since)
+            self._bound_code = module.code
         try:
             if self.meter is None and not self._deferrable:
-                results = self.stage.module(*stage_inputs)
+                results = module(*stage_inputs)
             else:
                 with contextlib.ExitStack() as scope:
                     if self.meter is not None:
@@ -203,7 +210,7 @@ class StageRuntime:
                     if self._deferrable:
                         self._deferred[k] = split_backward.WeightGradients(self.meter)
                         scope.enter_context(split_backward.collecting(self._deferred[k]))
-                    results = self.stage.module(*stage_inputs)
+                    results = module(*stage_inputs)
         finally:
             torch.set_grad_enabled(grad_mode)  # graphs may switch it
         produced = dict(zip(self.stage.produced, results, strict=True))
