@@ -9,7 +9,10 @@ forward through the OpOverloads measured 5-7% slower than the same layers as mod
 blocks of width 128); through the bindings it runs as fast as the modules.
 
 `use_python_bindings(gm)` gives a GraphModule (and each GraphModule inside it) a forward
-generated from a copy of its graph in which every ATen op that has a binding calls the binding.
+generated from a copy of its graph in which every ATen op that has a binding calls the binding,
+and a parameter is read from its module held in the GraphModule's `__dict__` (one attribute
+lookup, not one `Module.__getattr__` per level of `blocks.4.attn.qkv.weight`; the tensor itself is
+read at every call, so a parameter replaced on its module is followed).
 The graph itself keeps its OpOverloads, which the passes read (schemas, targets). A binding takes
 the schema's arguments in the schema's order and keywords, as the OpOverload does, and picks the
 op's overload from their types; ATen's overloads of one name are one operation over different
@@ -94,8 +97,14 @@ def explicit_arguments(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     given = dict(kwargs)
     for i, argument in enumerate(op._schema.arguments):
         if i >= len(args) and argument.name not in given and argument.has_default_value():
-            given[argument.name] = argument.default_value
+            if not any(kind in str(argument.real_type) for kind in _ENUM_TYPES):
+                given[argument.name] = argument.default_value
     return given
+
+
+# Argument types whose schema defaults come as their enum's number, which a binding refuses (it
+# wants torch.contiguous_format, not 0); their bindings' defaults are the schema's.
+_ENUM_TYPES = ("MemoryFormat", "ScalarType", "Layout", "Device", "Generator")
 
 
 class _Call:
@@ -119,14 +128,21 @@ def _forward_through_bindings(gm: fx.GraphModule) -> Callable | None:
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     replaced = 0
+    owners: dict[str, str] = {}  # path of a module that holds a read tensor -> its alias
     for node in graph.nodes:
-        if node.op == "call_function":
+        if node.op == "get_attr" and "." in node.target:
+            path, field = node.target.rsplit(".", 1)
+            if path not in owners:
+                owners[path] = f"{_MARK}_owner_{len(owners)}"
+                object.__setattr__(gm, owners[path], gm.get_submodule(path))
+            node.target = f"{owners[path]}.{field}"
+        elif node.op == "call_function":
             op, binding = node.target, binding_of(node.target)
             if binding is not None:
                 node.kwargs = explicit_arguments(op, node.args, node.kwargs)
                 node.target = _Call(binding, op.overloadpacket.__name__)
                 replaced += 1
-    if not replaced:
+    if not replaced and not owners:
         return None
     code = graph.python_code(root_module="self")
     scope = {

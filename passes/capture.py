@@ -32,16 +32,22 @@ class CapturedGraph:
     # The non-tensor input leaves (ints, flags, None): the graph is specialized to them.
     input_constants: dict[int, Any] = dataclasses.field(default_factory=dict)
     keyword_order: list[str] = dataclasses.field(default_factory=list)
+    # (positional count, keyword names) of calls of plain leaves that matched in_spec -> the keyword
+    # order of their leaves: such a call flattens without pytree (every microbatch calls the model).
+    _flat_calls: dict[tuple, list[str]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The flat input leaves of a call, checked against the capture's structure and constants."""
-        ordered = {k: kwargs[k] for k in self.keyword_order if k in kwargs} | kwargs  # keyword order is free
-        leaves, spec = pytree.tree_flatten((tuple(args), ordered))
-        if spec != self.in_spec:
-            raise ValueError(
-                f"smp: the model was captured for inputs structured as {self.in_spec}, but was called with "
-                f"{spec}; call the model with the same arguments (names, nesting) on every step"
-            )
+        call = (len(args), tuple(kwargs))
+        keys = self._flat_calls.get(call)
+        if keys is not None and all(map(is_plain_leaf, kwargs.values())) and all(map(is_plain_leaf, args)):
+            leaves = [*args, *(kwargs[k] for k in keys)]  # a call of this shape matched in_spec before
+        else:
+            leaves = self._flatten_checked(args, kwargs)
+            if all(map(is_plain_leaf, leaves)) and len(leaves) == len(args) + len(kwargs):
+                self._flat_calls[call] = [k for k in self.keyword_order if k in kwargs] + [
+                    k for k in kwargs if k not in self.keyword_order
+                ]
         for i, constant in self.input_constants.items():
             if not _same(leaves[i], constant):
                 raise ValueError(
@@ -51,10 +57,28 @@ class CapturedGraph:
                 )
         return leaves
 
+    def _flatten_checked(self, args: tuple, kwargs: dict) -> list[Any]:
+        ordered = {k: kwargs[k] for k in self.keyword_order if k in kwargs} | kwargs  # keyword order is free
+        leaves, spec = pytree.tree_flatten((tuple(args), ordered))
+        if spec != self.in_spec:
+            raise ValueError(
+                f"smp: the model was captured for inputs structured as {self.in_spec}, but was called with "
+                f"{spec}; call the model with the same arguments (names, nesting) on every step"
+            )
+        return leaves
+
     def output_nodes(self) -> list[Any]:
         """The flat output leaves: graph nodes, or constants the graph returns as they are."""
         (out,) = [n for n in self.graph_module.graph.nodes if n.op == "output"]
         return list(out.args[0])
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def is_plain_leaf(x: Any) -> bool:
+    """Whether `x` is a pytree leaf of a kind no pytree registration can make a container."""
+    return isinstance(x, _PLAIN_LEAVES)
 
 
 def capture(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:

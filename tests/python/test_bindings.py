@@ -36,7 +36,7 @@ class _ManyOps(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool).tril().bitwise_not()
         att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True) + torch.matmul(att, v)
-        y = y.permute(0, 2, 1, 3).reshape(b, s, -1)
+        y = torch.ops.aten.contiguous.default(y.permute(0, 2, 1, 3)).view(b, s, -1)  # (kept by export)
         x = x + self.proj(y)
         u = torch.addmm(self.bias, x.reshape(b * s, -1), self.up).view(b, s, -1)
         a, c = u.chunk(2, dim=-1)
@@ -62,7 +62,13 @@ def test_graph_through_bindings_computes_what_the_ops_do():
     ids, target = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
     gm = passes.capture(model, (ids, target)).graph_module
     used = {n.target.overloadpacket.__name__ for n in gm.graph.nodes if bindings.binding_of(n.target)}
-    assert {"cross_entropy_loss", "linear", "layer_norm", "scaled_dot_product_attention"} <= used
+    assert {
+        "cross_entropy_loss",
+        "linear",
+        "layer_norm",
+        "scaled_dot_product_attention",
+        "contiguous",
+    } <= used
     assert len(used) >= 35, sorted(bindings.BOUND_OPS - used)
     plain = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     plain.graph.set_codegen(fx.graph.CodeGen())  # a stage graph's codegen (capture's is pytree's)
@@ -82,8 +88,29 @@ def test_a_binding_default_that_differs_from_the_schema_is_given_explicitly():
     assert bindings.binding_of(op)(x, t).shape == (6,)  # the trap: torch._C._nn's default
     kwargs = bindings.explicit_arguments(op, (x, t), {})
     assert kwargs["reduction"] == 1 and torch.equal(bindings.binding_of(op)(x, t, **kwargs), op(x, t))
+    # An enum's default comes as its number, which the binding refuses: left to the binding's own.
+    op, y = torch.ops.aten.contiguous.default, torch.randn(3, 4).t()
+    assert bindings.explicit_arguments(op, (y,), {}) == {}
+    assert bindings.binding_of(op)(y).is_contiguous()
 
 
 @pytest.mark.parametrize("op", [torch.ops.aten.add_.Tensor, torch.ops.aten.slice.Tensor, torch.ops.smp])
 def test_ops_outside_the_list_keep_their_op(op):
     assert bindings.binding_of(op) is None
+
+
+def test_a_parameter_replaced_on_its_module_is_read_at_the_next_call():
+    """The forward reads each tensor from its module at every call (what tensor-parallel sharding,
+    delayed initialization and FSDP2's gathers rely on), not a copy taken when it was made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2)))
+    x = torch.randn(3, 4)
+    gm = passes.capture(model, (x,)).graph_module
+    gm.graph.set_codegen(fx.graph.CodeGen())
+    gm.recompile()
+    bindings.use_python_bindings(gm)
+    before = gm(x)[0]
+    new = nn.Parameter(torch.randn(2, 4))
+    gm.get_submodule("1.1").weight = new
+    assert torch.equal(gm(x)[0], F.linear(model[1][0](model[0](x)), new, model[1][1].bias))
+    assert not torch.equal(before, gm(x)[0])

@@ -20,9 +20,16 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from smp.passes.capture import is_plain_leaf
+
 
 def of(args: tuple, kwargs: dict) -> Hashable:
     """The signature of one call: structure, each tensor's shape/dtype/requires_grad, each other value."""
+    if all(map(is_plain_leaf, args)) and all(map(is_plain_leaf, kwargs.values())):
+        # No containers: the structure is the positional count and the keyword names (no pytree walk
+        # per microbatch; a call with containers gets a TreeSpec, so the two kinds never collide).
+        names = tuple(sorted(kwargs))
+        return ((len(args), names), tuple(_leaf(x) for x in (*args, *(kwargs[k] for k in names))))
     leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
     return (spec, tuple(_leaf(x) for x in leaves))  # TreeSpec hashes and compares by structure
 
