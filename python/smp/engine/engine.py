@@ -230,7 +230,7 @@ class Engine:
         self._backward_ran = True
         if self._finite is not None:
             self._finite.loss(mb.index, tensors)
-        grads = inputs.output_gradients(tensors, grad_tensors, scale)
+        grads = inputs.output_gradients(tensors, grad_tensors, scale, implicit_ones=not self.captures)
         self._checkpointing.before_backward(mb.index)
         if self.captures:
             mb.runtime.backward(mb.index, tensors, grads, self.schedule.splits_backward, mb.pause)

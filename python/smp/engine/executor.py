@@ -78,19 +78,19 @@ def _run_inline(microbatches: list[Microbatch], engine: Engine | None, pp_rank: 
     """A step of a model that runs whole on one pipeline rank, untimed: its microbatches one after
     another, as any schedule orders a single stage's forwards (its B and W actions have nothing
     left to do there), with nothing per action on the host."""
-    action = None
+    running = None  # the microbatch whose forward (its whole step function) is running
     try:
         if engine is not None:
             engine.start_step()
-        for mb in microbatches:
-            action = Action("F", mb.index, pp_rank)
-            mb.run_here()
-        action = None
+        for running in microbatches:
+            running.run_here()
+        running = None
         if engine is not None:
             engine.finish_step()
     except BaseException as error:
         if engine is not None:
             engine.abandon_step(error)
+        action = Action("F", running.index, pp_rank) if running is not None else None
         converted = _name_what_failed(error, action, pp_rank)
         if converted is not None:
             raise converted from error

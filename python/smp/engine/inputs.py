@@ -30,10 +30,14 @@ def cast_floating(tree, dtype: torch.dtype):
     return pytree.tree_map(cast, tree)
 
 
-def output_gradients(tensors: list[torch.Tensor], grad_tensors: list, scale: float) -> list[torch.Tensor]:
+def output_gradients(
+    tensors: list[torch.Tensor], grad_tensors: list, scale: float, implicit_ones: bool = False
+) -> list[torch.Tensor | None]:
     """The gradients model.backward starts from: ones for a scalar loss given without one, each
-    multiplied by `scale` (averaging over microbatches, fp16 loss scaling)."""
-    grads = []
+    multiplied by `scale` (averaging over microbatches, fp16 loss scaling). With `implicit_ones`
+    (the caller runs torch.autograd.backward itself), an unscaled scalar's stays None: autograd
+    makes its ones, as it does for loss.backward()."""
+    grads: list[torch.Tensor | None] = []
     for t, g in zip(tensors, grad_tensors, strict=True):
         if g is None:
             if t.numel() != 1:
@@ -41,6 +45,9 @@ def output_gradients(tensors: list[torch.Tensor], grad_tensors: list, scale: flo
                     f"smp: model.backward got a tensor of shape {tuple(t.shape)} without grad_tensors; "
                     "reduce it to a scalar loss or pass grad_tensors"
                 )
+            if implicit_ones and scale == 1.0:
+                grads.append(None)
+                continue
             g = torch.ones_like(t)
         grads.append(g * scale if scale != 1.0 else g)
     return grads
