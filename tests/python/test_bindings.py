@@ -80,6 +80,8 @@ def test_graph_through_bindings_computes_what_the_ops_do():
     for a, b in zip(expected[0] + expected[1], fast_out[0] + fast_out[1], strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
     assert expected[0][0].dim() == 0  # the mean, not the binding's default (no reduction)
+    copied = copy.deepcopy(fast)  # a copy is a plain GraphModule of its own again
+    assert "forward" not in copied.__dict__ and torch.equal(copied(ids, target)[0], fast(ids, target)[0])
 
 
 def test_a_binding_default_that_differs_from_the_schema_is_given_explicitly():
