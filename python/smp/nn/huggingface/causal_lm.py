@@ -28,8 +28,11 @@ def unsupported(model: str, what: str, fix: str, module: str = LM_HEAD) -> Value
     return ValueError(f"smp.nn.huggingface.{model}: {what} is not supported by {module}; {fix}")
 
 
-def lm_head_forward_hook(model: str, hf_class: Callable[[], type]) -> Callable:
-    """The forward hook of `<Model>ForCausalLM` (hf_class() returns the class)."""
+def lm_head_forward_hook(
+    model: str, hf_class: Callable[[], type], token_types: str = "token_type_ids"
+) -> Callable:
+    """The forward hook of `<Model>ForCausalLM` (hf_class() returns the class); `token_types`
+    names the refused token_type_ids in the error (with what the model would do with them)."""
 
     def forward_hook(*args, **kwargs):
         call = inspect.signature(hf_class().forward).bind(None, *args, **kwargs).arguments
@@ -37,7 +40,8 @@ def lm_head_forward_hook(model: str, hf_class: Callable[[], type]) -> Callable:
         cache = call.get("cache", call.get("past_key_values"))
         refused = {
             "inputs_embeds": call.get("inputs_embeds") is not None,
-            "token_type_ids": call.get("token_type_ids") is not None,
+            token_types: call.get("token_type_ids") is not None,
+            "encoder_hidden_states (cross attention)": call.get("encoder_hidden_states") is not None,
             "a key/value cache holding earlier tokens": cache is not None and cache.get_seq_length() > 0,
             "logits_to_keep": not isinstance(call.get("logits_to_keep", 0), int)
             or call.get("logits_to_keep"),

@@ -22,7 +22,6 @@ is registered to a distributed module, `translate_state_dict_to_hf_gpt2` only bl
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -132,38 +131,18 @@ def lm_head_init_hook(config):
     }
 
 
-def lm_head_forward_hook(*args, **kwargs):
-    """GPT2LMHeadModel's call -> ((input_ids, attention_mask, None, position_ids, labels),), {}:
-    HF's mask (1 = attend) becomes SMP's (1 = masked), and labels are shifted by one position, as
-    GPT-2 compares logits[:, :-1] with labels[:, 1:] (the last position ignored, -100)."""
+def _gpt2_lm_head_model() -> type:
     from transformers import GPT2LMHeadModel
 
-    call = inspect.signature(GPT2LMHeadModel.forward).bind(None, *args, **kwargs).arguments
-    extra = call.pop("kwargs", {})
-    cache = call.get("cache", call.get("past_key_values"))
-    refused = {
-        "inputs_embeds": call.get("inputs_embeds") is not None,
-        "token_type_ids (GPT-2 adds wte(token_type_ids))": call.get("token_type_ids") is not None,
-        "encoder_hidden_states (cross attention)": call.get("encoder_hidden_states") is not None,
-        "a key/value cache holding earlier tokens": cache is not None and cache.get_seq_length() > 0,
-        "logits_to_keep": not isinstance(call.get("logits_to_keep", 0), int) or call.get("logits_to_keep"),
-        "output_attentions / output_hidden_states": bool(
-            extra.get("output_attentions") or extra.get("output_hidden_states")
-        ),
-        "return_dict=False": extra.get("return_dict") is False,
-    }
-    for what, bad in refused.items():
-        if bad:
-            raise _unsupported(
-                what, "call the model with input_ids, attention_mask, position_ids and labels", _LM_HEAD
-            )
-    input_ids, mask, labels = call.get("input_ids"), call.get("attention_mask"), call.get("labels")
-    if mask is not None:
-        mask = (mask == 0).to(torch.long)  # SMP's convention: 1 = masked
-    if labels is not None:
-        ignored = torch.full_like(labels[..., :1], -100)
-        labels = torch.cat([labels[..., 1:], ignored], dim=-1)
-    return ((input_ids, mask, None, call.get("position_ids"), labels),), {}
+    return GPT2LMHeadModel
+
+
+# GPT2LMHeadModel's call -> ((input_ids, attention_mask, None, position_ids, labels),), {}: HF's mask
+# (1 = attend) becomes SMP's (1 = masked), and labels are shifted by one position, as GPT-2 compares
+# logits[:, :-1] with labels[:, 1:] (the last position ignored, -100); the rotary models' hook.
+lm_head_forward_hook = causal_lm.lm_head_forward_hook(
+    "gpt2", _gpt2_lm_head_model, token_types="token_type_ids (GPT-2 adds wte(token_type_ids))"
+)
 
 
 def lm_head_return_hook(output):
