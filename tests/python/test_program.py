@@ -337,6 +337,45 @@ def test_executor_runs_two_ranks_schedule_in_one_process(kind):
     _assert_matches(model, reference, name, outputs, args_used)
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_executor_names_the_failed_action_and_unwinds_the_paused_microbatches(phase):
+    """The turn passes from microbatch to microbatch without the scheduler in between: an error is
+    still named by the action that raised it (microbatch 1's forward on stage 0, or its backward on
+    stage 1, the first action it runs after its forward), every paused microbatch is unwound, and
+    a fresh step runs on the pooled threads and matches the model."""
+    name = "skip"
+    model, _, pipe = _fresh(name)
+    _, _, inputs, loss_fn = CASES[name]
+    merged = _MergedRanks(Schedule("interleaved", 2, M, 2))
+    runtime = _runtime(pipe)
+
+    def step(*args):
+        mb = microbatch.current()
+        if mb.index == 1 and phase == "forward":
+            raise ValueError("failed on purpose")
+        pending = runtime.forward(mb.index, args, {}, between=mb.pause)
+        mb.pause()
+        if mb.index == 1:
+            raise ValueError("failed on purpose")
+        out = pending.wait()
+        runtime.backward(mb.index, [loss_fn(out, args)], [torch.ones(())], False, between=mb.pause)
+        return out
+
+    mbs = [microbatch.Microbatch(k, step, inputs(k), {}) for k in range(M)]
+    with pytest.raises(ValueError, match="failed on purpose") as caught:
+        executor.run(merged, 0, mbs, _Engine(runtime, model), "step")
+    where = (
+        "pipeline stage 0, microbatch 1 (forward)"
+        if phase == "forward"
+        else "stage 1, microbatch 1 (backward)"
+    )
+    assert any(where in note for note in caught.value.__notes__), caught.value.__notes__
+    assert all(mb.done for mb in mbs if mb.index <= 1)  # (the rest had not started, or were unwound)
+    model, reference, pipe = _fresh(name)
+    engine, outputs, args_used = _run_step(merged, _runtime(pipe), model, name, False)
+    _assert_matches(model, reference, name, outputs, args_used)
+
+
 # --- build(): a Program from a hand-made Plan -----------------------------------------------
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from smp import faults
 from smp.schedules import Action, Schedule
 from smp.services import timeline
-from smp.services.microbatch import Microbatch
+from smp.services.microbatch import Microbatch, Turns
 
 if TYPE_CHECKING:  # the engine module imports nothing of this one
     from smp.engine.engine import Engine
@@ -37,10 +37,15 @@ def run(
     inline = engine is None or not engine.captures
     if inline and recorder is None and schedule.num_ranks == 1:
         return _run_inline(microbatches, engine, pp_rank)
+    actions = schedule.actions(pp_rank)
+    # With the timeline on, control comes back here after every action, to time it.
+    turns = Turns(actions, microbatches, chain=recorder is None)
+    position = 0
     try:
         if engine is not None:
             engine.start_step()
-        for action in schedule.actions(pp_rank):
+        while position < len(actions):
+            action = actions[position]
             mb = microbatches[action.microbatch]
             began = timeline.now() if recorder is not None else 0.0
             if action.kind == "W":
@@ -49,7 +54,10 @@ def run(
             elif inline:
                 mb.run_here()
             else:
-                mb.resume()
+                turns.run(position)  # and the F and B actions after it that chain on
+                position = turns.position
+                action = actions[position]
+                mb = microbatches[action.microbatch]
             if recorder is not None:
                 recorder.record(
                     action.kind, began, timeline.now(), microbatch=action.microbatch, stage=action.stage
@@ -59,13 +67,15 @@ def run(
                     f"smp.step: {name} returned without calling the DistributedModel on microbatch "
                     f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
                 )
+            position += 1
         if engine is not None:
             engine.finish_step()
         if recorder is not None and recorder.end_step():
             timeline.write()
     except BaseException as error:
-        for mb in microbatches:
-            mb.abort()
+        if action is not None and position < len(actions):  # the action whose microbatch failed:
+            action = actions[max(position, turns.position)]  # (one that chained on, if it did)
+        turns.abort()
         if engine is not None:
             engine.abandon_step(error)
         converted = _name_what_failed(error, action, pp_rank)

@@ -3,7 +3,8 @@ and a pipeline schedule decides when each one's forward and backward happen.
 
 Only one microbatch thread (or the scheduler) runs at any time; control passes
 explicitly, so execution is as deterministic as a single thread. A microbatch
-pauses at the end of its model forward; the scheduler resumes it for its backward.
+pauses at the end of its model forward; its backward action resumes it. A pausing
+microbatch hands the turn straight to the next action's microbatch (Turns).
 
 The threads are pooled across steps: a fresh thread per microbatch gets a fresh
 malloc arena, and first-touching its pages every step costs more than the step's
@@ -15,7 +16,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +92,87 @@ def retire_threads() -> None:
     _Worker.retire_all()
 
 
+class Turns:
+    """One step's microbatches taking turns through this rank's actions (smp.engine.executor).
+
+    The scheduler's thread runs an F or B action by waking its microbatch's thread; when that
+    microbatch pauses (or finishes its backward) and the next action is another F or B, its
+    thread hands the turn straight to that action's microbatch (chaining), or just goes on if it
+    is its own: one thread wake per action instead of two (the scheduler's, then the
+    microbatch's), and none between a microbatch's F and B on the last stage. Control comes back to
+    the scheduler at a W (run on its thread), at the end of the actions, after a microbatch that
+    finished during its F (the scheduler checks it called the model), after an error, and after
+    every action when `chain` is off (the timeline times each action there).
+
+    The threads start with the scheduler thread's grad mode, autocast, CUDA device and stream,
+    which are per thread, taken here (W and the step's end run on that thread: one stream for all).
+    """
+
+    def __init__(self, actions: Sequence[Any], microbatches: list[Microbatch], chain: bool):
+        self.actions = actions
+        self.position = -1  # the action running, or that ran last
+        self._microbatches = microbatches
+        self._chain = chain
+        self._back = _held_lock()  # released when control comes back to the scheduler
+        self._error: BaseException | None = None
+        self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = [
+            (device, torch.get_autocast_dtype(device))
+            for device in ("cpu", "cuda")
+            if torch.is_autocast_enabled(device)
+        ]
+        self.device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.stream = torch.cuda.current_stream() if self.device is not None else None
+        for mb in microbatches:
+            mb._turns = self
+
+    def run(self, position: int) -> None:
+        """Runs action `position` (an F or B) on its microbatch's thread and, chained, the F and B
+        actions after it, until control comes back; self.position is then the last one run. The
+        error of a microbatch that failed is raised here."""
+        self.position = position
+        mb = self._microbatches[self.actions[position].microbatch]
+        if mb.done:
+            return
+        mb._wake()
+        self._back.acquire()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def abort(self) -> None:
+        """Unwinds every paused microbatch (each hands control back here at its end). One still
+        running (the step was interrupted while it waited on a message) is left to its daemon
+        thread: waiting for it could hang."""
+        self._chain = False
+        for mb in self._microbatches:
+            if mb._unwind():
+                self._back.acquire()
+                self._error = None
+                mb._wait_finished()
+
+    def _hand_on(self, current: Microbatch, finished: bool) -> Microbatch | None:
+        """The microbatch to run next on `current`'s pause or end: the next action's, if it may
+        run there; None to hand control back to the scheduler."""
+        position = self.position + 1
+        if not self._chain or position >= len(self.actions):
+            return None
+        action = self.actions[position]
+        if action.kind == "W" or finished and self.actions[self.position].kind == "F":
+            return None
+        mb = self._microbatches[action.microbatch]
+        if mb.done:
+            return None
+        self.position = position
+        return mb
+
+    def _hand_back(self) -> None:
+        self._back.release()
+
+    def _failed(self, error: BaseException) -> None:
+        self._error = error
+
+
 class Microbatch:
     def __init__(
         self,
@@ -111,42 +193,21 @@ class Microbatch:
         self.runtime: Any = None  # the pipeline stage runtime its forward used (train or eval graph)
         self.done = False
         self._fn, self._args, self._kwargs = fn, args, kwargs
-        self._error: BaseException | None = None
+        self._turns: Turns | None = None  # set by the step's Turns
         self._aborted = False
         self._paused = False
         self._started = False
         self._inline = False  # run on the caller's thread (run_here)
 
-    def _start_thread(self) -> None:
-        """The hand-over state, made when the microbatch first runs on a worker thread. The thread
-        starts with the caller's grad mode, autocast, CUDA device and stream, which are per thread
-        (W and the step's end run on the caller's thread: one stream for all)."""
-        # Binary semaphores: at most one release is outstanding on each (control alternates).
-        self._turn = _held_lock()
-        self._back = _held_lock()
-        self._finished = _held_lock()  # released once the step function has returned
-        self._grad_enabled = torch.is_grad_enabled()
-        self._autocast = [
-            (device, torch.get_autocast_dtype(device))
-            for device in ("cpu", "cuda")
-            if torch.is_autocast_enabled(device)
-        ]
-        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        self._stream = torch.cuda.current_stream() if self._device is not None else None
-        _Worker.run(self._main)
-
-    def resume(self) -> None:
-        """Runs this microbatch until it pauses or finishes (called by the scheduler)."""
-        if self.done:
-            return
+    def _wake(self) -> None:
+        """Lets this microbatch's thread run (made on its first turn) until it pauses or ends."""
         if not self._started:
             self._started = True
-            self._start_thread()
+            # Binary semaphores: at most one release is outstanding on each (control alternates).
+            self._turn = _held_lock()
+            self._finished = _held_lock()  # released once the step function has returned
+            _Worker.run(self._main)
         self._turn.release()
-        self._back.acquire()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
     def run_here(self) -> None:
         """Runs the step function to its end on the calling thread, for a model that never pauses
@@ -165,48 +226,63 @@ class Microbatch:
             _local.microbatch = outer
 
     def pause(self) -> None:
-        """Hands control back to the scheduler until resume() (called on this microbatch's thread)."""
+        """Ends this microbatch's action (called on its thread): the turn goes to the next action's
+        microbatch, or back to the scheduler, until its own next action."""
         if self._inline:
             raise RuntimeError("smp: a microbatch run on the caller's thread cannot pause (a bug in smp)")
+        turns = self._turns
+        following = turns._hand_on(self, finished=False)
+        if following is self:
+            return  # its own next action: no hand-off
         self._paused = True
-        self._back.release()
+        if following is None:
+            turns._hand_back()
+        else:
+            following._wake()
         self._turn.acquire()
         self._paused = False
         if self._aborted:
             raise Aborted()
 
-    def abort(self) -> None:
-        """Unwinds a paused microbatch. One still running (the step was interrupted while it waited
-        on a message) is left to its daemon thread: waiting for it could hang."""
+    def _unwind(self) -> bool:
+        """Marks the microbatch aborted and, if paused, wakes it to raise Aborted (True then)."""
         self._aborted = True
         if self._paused:
             self._turn.release()
-            self._back.acquire()
-            self._error = None
-            if self._finished.acquire(timeout=5):
-                self._finished.release()  # (stays released: the microbatch is finished)
+        return self._paused
+
+    def _wait_finished(self) -> None:
+        if self._finished.acquire(timeout=5):
+            self._finished.release()  # (stays released: the microbatch is finished)
 
     def _main(self) -> None:
         self._turn.acquire()
         _local.microbatch = self
+        turns = self._turns
+        following = None
         try:
             if self._aborted:
                 raise Aborted()
-            if self._device is not None:
-                torch.cuda.set_device(self._device)
+            if turns.device is not None:
+                torch.cuda.set_device(turns.device)
             with contextlib.ExitStack() as modes:
-                modes.enter_context(torch.set_grad_enabled(self._grad_enabled))
-                for device, dtype in self._autocast:
+                modes.enter_context(torch.set_grad_enabled(turns.grad_enabled))
+                for device, dtype in turns.autocast:
                     modes.enter_context(torch.autocast(device, dtype=dtype))
-                if self._stream is not None:
-                    modes.enter_context(torch.cuda.stream(self._stream))
+                if turns.stream is not None:
+                    modes.enter_context(torch.cuda.stream(turns.stream))
                 self.result = self._fn(*self._args, **self._kwargs)
         except Aborted:
             pass
         except BaseException as error:  # handed to the scheduler thread, which raises it
-            self._error = error
+            turns._failed(error)
+        else:
+            following = turns._hand_on(self, finished=True)
         finally:
             self.done = True
             _local.microbatch = None
             self._finished.release()
-            self._back.release()
+            if following is None:
+                turns._hand_back()
+            else:
+                following._wake()  # (this thread then only returns to the pool)
