@@ -5,11 +5,17 @@ receives from earlier stages) and returns the values it produces for later
 stages or for the model's output. Parameters and buffers are get_attr nodes
 that point at the captured module's own tensors, so a parameter used on two
 stages is the same tensor in both stage modules of one process.
+
+What a stage computes from the model inputs alone (no parameter, buffer or gradient: a reshaped
+label, a position range, an attention mask built from the inputs) is not sent to the later
+stages that read it: each computes it again from the inputs it holds (`_from_inputs_alone`), a
+few cheap ops instead of a message per microbatch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -81,6 +87,7 @@ def split(captured: CapturedGraph, plan: PartitionPlan) -> PipelineGraph:
     input_index = {n.name: i for i, n in enumerate(placeholders)}
     stage_of = plan.node_stage
     requires_grad = _requires_grad(nodes, captured.input_requires_grad)
+    recomputed = _from_inputs_alone(nodes, requires_grad)
 
     values: dict[str, Value] = {}
 
@@ -101,6 +108,8 @@ def split(captured: CapturedGraph, plan: PartitionPlan) -> PipelineGraph:
         if node.name not in stage_of:
             continue
         for producer in node.all_input_nodes:
+            if producer.name in recomputed:
+                continue  # (the consumer's stage computes it too)
             if producer.name in stage_of and stage_of[producer.name] != stage_of[node.name]:
                 consumers = value(producer).consumers
                 if stage_of[node.name] not in consumers:
@@ -121,15 +130,21 @@ def split(captured: CapturedGraph, plan: PartitionPlan) -> PipelineGraph:
             )
 
     stages = [
-        _stage_module(gm, nodes, plan.num_stages, s, stage_of, input_index, values)
+        _stage_module(gm, nodes, plan.num_stages, s, stage_of, input_index, values, recomputed)
         for s in range(plan.num_stages)
     ]
     return PipelineGraph(stages, values, outputs, captured, plan)
 
 
-def _stage_module(gm, nodes, num_stages, s, stage_of, input_index, values) -> StageModule:
-    mine = [n for n in nodes if stage_of.get(n.name) == s or _is_grad_mode_switch(n)]
-    own = {n.name for n in mine}
+def _stage_module(gm, nodes, num_stages, s, stage_of, input_index, values, recomputed) -> StageModule:
+    own = {n.name for n in nodes if stage_of.get(n.name) == s or _is_grad_mode_switch(n)}
+    needed = [p for n in nodes if n.name in own for p in n.all_input_nodes if p.name in recomputed]
+    while needed:  # what the stage computes again from the inputs, with what that reads
+        node = needed.pop()
+        if node.name not in own:
+            own.add(node.name)
+            needed += [p for p in node.all_input_nodes if p.name in recomputed]
+    mine = [n for n in nodes if n.name in own]
     inputs: list[int] = []
     received: list[str] = []
     for node in mine:
@@ -189,6 +204,40 @@ def _writes(node: fx.Node, value: fx.Node) -> bool:
         (a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs
     ]
     return any(arg is value and a.alias_info is not None and a.alias_info.is_write for a, arg in bound)
+
+
+def _from_inputs_alone(nodes: list[fx.Node], requires_grad: dict[str, bool]) -> set[str]:
+    """The nodes every stage that reads them computes for itself: those computed by functional,
+    deterministic ATen ops (and getitem) from model inputs, constants and each other alone, with
+    no gradient. None if anything writes in place to such a node or to a model input (a stage
+    computing it again would not see the write), or under a grad-mode switch's region (kept
+    simple: none at all then)."""
+    found: set[str] = set()
+    for node in nodes:
+        if _is_grad_mode_switch(node):
+            return set()
+        if node.op == "placeholder":
+            found.add(node.name)
+        elif (
+            node.op == "call_function"
+            and (node.target is operator.getitem or _functional_and_deterministic(node.target))
+            and not requires_grad.get(node.name, False)
+            and all(p.name in found for p in node.all_input_nodes)
+        ):
+            found.add(node.name)
+    by_name = {n.name: n for n in nodes}
+    if any(_writes(user, by_name[name]) for name in found for user in by_name[name].users):
+        return set()
+    return {name for name in found if by_name[name].op != "placeholder"}
+
+
+def _functional_and_deterministic(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:  # (random: each stage would draw its own)
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _is_grad_mode_switch(node: fx.Node) -> bool:

@@ -593,6 +593,60 @@ def test_stage_may_start_with_an_in_place_op_on_a_received_value():
     assert received.grad is not None and received.grad.abs().sum() > 0
 
 
+class _MaskedLayers(nn.Module):
+    """Two layers; the second reads a mask and a flat label view computed from the model inputs
+    alone, in the first layer's code (as Hugging Face models build their attention masks)."""
+
+    def __init__(self, variant: str = "plain"):
+        super().__init__()
+        self.variant = variant
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, ids):
+        mask = (ids != 0).to(x.dtype).unsqueeze(-1)
+        if self.variant == "random":
+            mask = mask * torch.rand_like(mask)
+        if self.variant == "written":
+            mask.mul_(2.0)
+        h = self.first(x) * mask
+        labels = ids.reshape(-1)
+        return (self.second(h) * mask).sum() + labels.float().mean()
+
+
+def _masked_split(variant: str):
+    torch.manual_seed(0)
+    module = _MaskedLayers(variant)
+    x, ids = torch.randn(2, 5, 8), torch.tensor([[1, 2, 0, 3, 0], [0, 4, 5, 0, 6]])
+    captured = passes.capture(module, (x, ids))
+    cost.annotate(captured.graph_module)
+    plan = passes.manual_partition(captured.graph_module, 2, {"first": 0, "second": 1}, default_stage=0)
+    return module, (x, ids), passes.split(captured, plan)
+
+
+def test_values_computed_from_the_inputs_alone_are_computed_again_not_sent():
+    module, (x, ids), pipe = _masked_split("plain")
+    first, second = pipe.stages
+    # Only the hidden state crosses; the second stage reads `ids` and builds its mask itself.
+    assert [pipe.values[n].dtype for n in second.received] == [torch.float32], second.received
+    assert second.inputs == [1], second.inputs
+    ops = [n.target for n in second.module.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.ne.Scalar in ops and torch.ops.aten.reshape.default in ops, ops
+    torch.testing.assert_close(pipe.run(x, ids), module(x, ids), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["random", "written"])
+def test_random_or_written_input_values_are_sent(variant):
+    """A random draw would differ on each stage, and a stage computing a value again would miss
+    an in-place write to it: those are sent as before."""
+    module, (x, ids), pipe = _masked_split(variant)
+    second = pipe.stages[1]
+    ops = [n.target for n in second.module.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.ne.Scalar not in ops and torch.ops.aten.rand_like.default not in ops, ops
+    assert len(second.received) >= 2, second.received  # the hidden state and the mask
+    if variant == "written":
+        torch.testing.assert_close(pipe.run(x, ids), module(x, ids), rtol=0, atol=1e-6)
+
+
 def test_tensor_parallel_rule_registry_refuses_a_second_rule_for_an_op():
     from smp.passes.tensor_parallel import registry
 
