@@ -22,6 +22,7 @@ from smp.engine import compiled, delayed_init
 from smp.engine.plan import Flags, Plan, combined_batch
 from smp.engine.skeleton import make_real
 from smp.groups import ParallelGroups
+from smp.pipeline.lookahead import Lookahead
 from smp.pipeline.rank_runtime import RankRuntime
 from smp.schedules import Schedule
 from smp.tensor_parallel.shard import shard_following
@@ -47,9 +48,11 @@ def build(
     config: Config,
     groups: ParallelGroups,
     pipe: passes.PipelineGraph | None = None,
+    lookahead: Lookahead | None = None,
 ) -> Program:
     """This rank's program for inputs `args`/`kwargs` (the module in the modes `flags`); `pipe` is
-    their split pipeline when planning made it (the first signature)."""
+    their split pipeline when planning made it (the first signature); `lookahead`: the rank's,
+    shared by its programs (smp.pipeline.lookahead)."""
     if pipe is None:
         with plan.skeleton.swapped_in():
             captured = passes.capture(
@@ -87,6 +90,7 @@ def build(
         list(groups.pp_ranks),
         config.microbatches,
         plan.device,
+        lookahead,
     )
     if groups.pp_size > 1:
         runtime.order_messages(config.ordered_messages, schedule.slots())

@@ -21,6 +21,7 @@ from smp.engine.build import Program, build
 from smp.engine.plan import Flags, Plan, make_plan
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
+from smp.pipeline.lookahead import Lookahead
 from smp.services.activation_meter import SavedActivationMeter
 
 _TRAINING = operator.attrgetter("training")
@@ -41,6 +42,9 @@ class Programs:
         self._meter: SavedActivationMeter | None = None  # made once planned
         self._tracking = False  # whether the stages count saved activations on it
         self.building = False  # whether the module is being captured now (on fake tensors)
+        # Receives posted a microbatch ahead: one record for all programs (a step's microbatches
+        # may run different ones).
+        self._lookahead = Lookahead(config.microbatches)
 
     def plan(
         self,
@@ -67,7 +71,9 @@ class Programs:
                 offloader,
             )
             programs = {
-                flags: build(plan, flags, args, kwargs, batch_size, self._config, self._groups, pipe)
+                flags: build(
+                    plan, flags, args, kwargs, batch_size, self._config, self._groups, pipe, self._lookahead
+                )
                 for flags, pipe in pipes.items()
             }
             return plan, programs
@@ -101,13 +107,23 @@ class Programs:
         if program is None:
             with self._building():
                 program, seconds = signatures.timed(
-                    lambda: build(self._plan, flags, args, kwargs, batch_size, self._config, self._groups)
+                    lambda: build(
+                        self._plan,
+                        flags,
+                        args,
+                        kwargs,
+                        batch_size,
+                        self._config,
+                        self._groups,
+                        lookahead=self._lookahead,
+                    )
                 )
             program.runtime.meter = self._meter if self._tracking else None
             self.cache.put(key, signature, program, seconds)
         return program
 
     def finish_step(self) -> None:
+        self._lookahead.finish()  # (before the programs wait for their sends: it may add some)
         for program in self.cache.values():
             program.runtime.finish_step()
 

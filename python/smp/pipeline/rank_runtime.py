@@ -22,6 +22,7 @@ import torch.distributed as dist
 from smp import faults
 from smp.passes import PipelineGraph
 from smp.pipeline import message_order
+from smp.pipeline.lookahead import Lookahead
 from smp.pipeline.stage import Links, StageRuntime
 from smp.services import activation_meter
 
@@ -57,11 +58,14 @@ class RankRuntime:
         group_ranks: list[int],
         microbatches: int,
         device: torch.device,
+        lookahead: Lookahead | None = None,
     ):
+        """`lookahead`: shared by the rank's programs (a fresh one if None)."""
         if len(stage_ranks) != len(pipe.stages):
             raise ValueError(f"smp: {len(stage_ranks)} stage placements for {len(pipe.stages)} stages")
         self.pipe = pipe
-        self._links = Links(group, group_ranks, tuple(stage_ranks), rank, microbatches, device)
+        lookahead = lookahead if lookahead is not None else Lookahead(microbatches)
+        self._links = Links(group, group_ranks, tuple(stage_ranks), rank, microbatches, device, lookahead)
         self.stages = [StageRuntime(pipe, s, self._links) for s, r in enumerate(stage_ranks) if r == rank]
         self._lead = next(s for s in self.stages if s.index == rank)  # where outputs are addressed
         self._input_meta = [
@@ -195,6 +199,7 @@ class RankRuntime:
 
     def finish_step(self) -> None:
         links = self._links
+        links.lookahead.finish()  # (once for the rank's programs: the first one's finish does it)
         sends = links.ordered.finish_step() if links.ordered is not None else []
         with faults.waiting(f"pipeline rank {links.rank} completing its sends", links.group_name()):
             for work in sends:

@@ -8,7 +8,8 @@ rank a message is handed over in memory. Between ranks, two paths:
 
 - tagged (the default for CPU tensors): each message tagged by (kind, microbatch,
   value), so it matches whatever order the stages post them in; CUDA tensors are
-  staged through host memory and travel over Gloo.
+  staged through host memory and travel over Gloo. A stage posts its next
+  microbatch's receives at the end of an action (smp.pipeline.lookahead).
 - ordered (the default for CUDA tensors, `ordered_messages: true` selects it on CPU):
   every message on one tag, posted by both ends in one order derived from the schedule
   (smp.pipeline.message_order), as NCCL needs: it matches by issue order, not by tag.
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from smp import faults
 from smp.passes import PipelineGraph, Value, bindings
 from smp.pipeline import message_order, split_backward
+from smp.pipeline.lookahead import Lookahead
 from smp.services import activation_meter, timeline
 
 _ACTIVATION, _OUTPUT, _GRADIENT = message_order.ACTIVATION, message_order.OUTPUT, message_order.GRADIENT
@@ -47,6 +49,8 @@ class Links:
     rank: int  # this rank's pipeline rank
     microbatches: int
     device: torch.device
+    # Receives posted a microbatch ahead (the tagged path), shared by the rank's programs.
+    lookahead: Lookahead
     local: dict[message_order.Message, torch.Tensor] = dataclasses.field(default_factory=dict)
     ordered: message_order.OrderedChannels | None = None
     # stage -> its rank inside `group`, which the backend's send and recv take (what dist.isend
@@ -150,6 +154,7 @@ class StageRuntime:
         self._sends: list[dist.Work] = []
         self._in_flight: dict[int, _InFlight] = {}
         self._deferred: dict[int, split_backward.WeightGradients] = {}
+        self._early: dict[tuple[str, int], list] = {}  # ("F"/"B", k) -> receives posted ahead
         self._weights = [p for p in self.stage.module.parameters() if p.requires_grad]
         self._deferrable: set[int] | None = None  # zero_bubble: ids of the weights W computes
         self._weights_at_b: list[torch.Tensor] | None = None  # zero_bubble: the weights B computes
@@ -189,7 +194,11 @@ class StageRuntime:
         """Microbatch k's forward of this stage on the flat model inputs `flat`: receives what
         earlier stages computed, sends what later stages (and, for model outputs, every other
         rank) read; returns the values it computed."""
-        incoming = [(value, self._recv(value, value.src, _ACTIVATION, k)) for value in self._received_values]
+        tagged = self._links.ordered is None
+        if tagged and self._links.lookahead.begin(self, "F", k):
+            incoming = self._early.pop(("F", k))
+        else:
+            incoming = self._post_forward(k)
         received = {
             value.name: message.wait().requires_grad_(value.requires_grad) for value, message in incoming
         }
@@ -226,7 +235,12 @@ class StageRuntime:
                     self._send(data, r, _OUTPUT, k, value.name)  # to rank r's stage r
         self._flush_ordered(k)
         self._in_flight[k] = _InFlight(received, produced)
+        if tagged and (ahead := links.lookahead.ahead(self, "F", k)) is not None:
+            self._early[("F", ahead)] = self._post_forward(ahead)
         return produced
+
+    def _post_forward(self, k: int) -> list:
+        return [(value, self._recv(value, value.src, _ACTIVATION, k)) for value in self._received_values]
 
     def receive_output(self, value: Value, k: int):
         """A model output of microbatch k that another rank computes (this must be the rank's stage
@@ -249,9 +263,11 @@ class StageRuntime:
         accumulate too (outputs of an earlier stage of this rank that the loss read)."""
         state = self._in_flight.pop(k)
         roots = [(t, g) for t, g in roots if t.requires_grad]
-        incoming = [
-            (name, self._recv(value, src, _GRADIENT, k)) for name, value, src in self._gradient_sources
-        ]
+        tagged = self._links.ordered is None
+        if tagged and self._links.lookahead.begin(self, "B", k):
+            incoming = self._early.pop(("B", k))
+        else:
+            incoming = self._post_backward(k)
         summed: dict[str, torch.Tensor] = {}
         for name, message in incoming:
             grad = message.wait()
@@ -278,6 +294,34 @@ class StageRuntime:
                 grad = grad if grad is not None else torch.zeros_like(leaf)
                 self._send(grad.contiguous(), value.src, _GRADIENT, k, value.name)
         self._flush_ordered(k)
+        if tagged and (ahead := self._links.lookahead.ahead(self, "B", k)) is not None:
+            self._early[("B", ahead)] = self._post_backward(ahead)
+
+    def _post_backward(self, k: int) -> list:
+        return [(name, self._recv(value, src, _GRADIENT, k)) for name, value, src in self._gradient_sources]
+
+    # --- a change of program between microbatches (smp.pipeline.lookahead) --------------------
+
+    def fill(self, kind: str, k: int) -> None:
+        """Sends zeros for what this stage's peers on other ranks posted for `kind` of microbatch k
+        in this runtime's layout, which another program now runs."""
+        links = self._links
+        if kind == "F":
+            for value in self._produced_values:
+                for dst in value.consumers:
+                    if not links.is_local(dst):
+                        self._send(_zeros(value), dst, _ACTIVATION, k, value.name)
+        else:
+            for value in self._received_values:
+                if value.requires_grad and not links.is_local(value.src):
+                    self._send(_zeros(value), value.src, _GRADIENT, k, value.name)
+
+    def drain(self, kind: str, k: int) -> None:
+        """Waits for and drops the receives this runtime posted ahead for `kind` of microbatch k
+        (the peers' `fill` answers them)."""
+        for _, message in self._early.pop((kind, k), ()):
+            if isinstance(message, _Incoming):
+                message.wait()
 
     def _flush_ordered(self, k: int) -> None:
         """Posts the ordered path's groups that this action's sends complete."""
@@ -309,6 +353,7 @@ class StageRuntime:
         self._sends = []
         self._in_flight.clear()
         self._deferred.clear()
+        self._early.clear()
 
     # --- messages -----------------------------------------------------------
 
@@ -388,6 +433,10 @@ class StageRuntime:
         if isinstance(value, torch.Tensor) and value.device != device:
             return value.to(device)
         return value
+
+
+def _zeros(value: Value) -> torch.Tensor:
+    return torch.zeros(value.shape, dtype=value.dtype)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

@@ -259,7 +259,7 @@ class Microbatch:
         self._turn.acquire()
         _local.microbatch = self
         turns = self._turns
-        following = None
+        returned = False
         try:
             if self._aborted:
                 raise Aborted()
@@ -272,16 +272,16 @@ class Microbatch:
                 if turns.stream is not None:
                     modes.enter_context(torch.cuda.stream(turns.stream))
                 self.result = self._fn(*self._args, **self._kwargs)
+            returned = True
         except Aborted:
             pass
         except BaseException as error:  # handed to the scheduler thread, which raises it
             turns._failed(error)
-        else:
-            following = turns._hand_on(self, finished=True)
         finally:
-            self.done = True
+            self.done = True  # (before the hand-on: its own later actions have nothing left to run)
             _local.microbatch = None
             self._finished.release()
+            following = turns._hand_on(self, finished=True) if returned else None
             if following is None:
                 turns._hand_back()
             else:
