@@ -233,8 +233,8 @@ def _from_inputs_alone(nodes: list[fx.Node], requires_grad: dict[str, bool]) -> 
 
 def _functional_and_deterministic(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
-    if schema is None or not isinstance(target, torch._ops.OpOverload):
-        return False
+    if schema is None or not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False  # (smp's ops and collectives talk to other ranks: never computed twice)
     if torch.Tag.nondeterministic_seeded in target.tags:  # (random: each stage would draw its own)
         return False
     return not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
