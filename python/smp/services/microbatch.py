@@ -151,9 +151,9 @@ class Turns:
                 self._error = None
                 mb._wait_finished()
 
-    def _hand_on(self, current: Microbatch, finished: bool) -> Microbatch | None:
-        """The microbatch to run next on `current`'s pause or end: the next action's, if it may
-        run there; None to hand control back to the scheduler."""
+    def _hand_on(self, finished: bool) -> Microbatch | None:
+        """The microbatch to run next when the running one pauses or (`finished`) ends: the next
+        action's, if it may run there; None to hand control back to the scheduler."""
         position = self.position + 1
         if not self._chain or position >= len(self.actions):
             return None
@@ -231,7 +231,7 @@ class Microbatch:
         if self._inline:
             raise RuntimeError("smp: a microbatch run on the caller's thread cannot pause (a bug in smp)")
         turns = self._turns
-        following = turns._hand_on(self, finished=False)
+        following = turns._hand_on(finished=False)
         if following is self:
             return  # its own next action: no hand-off
         self._paused = True
@@ -281,7 +281,7 @@ class Microbatch:
             self.done = True  # (before the hand-on: its own later actions have nothing left to run)
             _local.microbatch = None
             self._finished.release()
-            following = turns._hand_on(self, finished=True) if returned else None
+            following = turns._hand_on(finished=True) if returned else None
             if following is None:
                 turns._hand_back()
             else:
