@@ -123,7 +123,6 @@ class Programs:
         return program
 
     def finish_step(self) -> None:
-        self._lookahead.finish()  # (before the programs wait for their sends: it may add some)
         for program in self.cache.values():
             program.runtime.finish_step()
 

@@ -199,7 +199,9 @@ class RankRuntime:
 
     def finish_step(self) -> None:
         links = self._links
-        links.lookahead.finish()  # (once for the rank's programs: the first one's finish does it)
+        # Once for the rank's programs (the first one's finish does it), before any waits for
+        # sends: it may add some, to any program's stages.
+        links.lookahead.finish()
         sends = links.ordered.finish_step() if links.ordered is not None else []
         with faults.waiting(f"pipeline rank {links.rank} completing its sends", links.group_name()):
             for work in sends:
