@@ -21,8 +21,9 @@ from smp.comm import (
     send,
     tp_barrier,
 )
-from smp.compat import is_tracing, model_creation, state
+from smp.compat import is_tracing, state
 from smp.config import Config
+from smp.creation import model_creation
 from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
 from smp.engine.delayed_init import delay_param_initialization
 from smp.model import DistributedModel, set_activation_checkpointing

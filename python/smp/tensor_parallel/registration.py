@@ -10,6 +10,12 @@ they are. `forward_hook` maps the original call's arguments to the distributed m
 `return_hook` its result back, both inside the forward of a subclass of the distributed module
 (same name) made once per registration. The context's keyword
 arguments override the init_hook's where the distributed module's `__init__` takes them.
+
+Default registrations (`register_default`: SMP v1's out-of-the-box Hugging Face models,
+smp.nn.huggingface.defaults) replace their class only in a context opened with
+`defaults=True` (smp.model_creation's); a user's registration of the class takes their place. A
+default whose init_hook refuses the configuration (a ValueError) leaves the class as it is, with a
+warning naming why, as SMP v1 left modules it could not distribute.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +41,12 @@ class Registration:
     forward_hook: Callable | None
     return_hook: Callable | None
     original_new: Callable
+    after_build: Callable[[nn.Module], None] | None = None  # (defaults: SMP's attribute paths)
 
 
 _registry: dict[type, Registration] = {}
+_defaults: dict[type, Registration] = {}
+_built_by_default: set[type] = set()  # default registrations that replaced their class here
 
 
 def _contexts() -> list[tuple[bool, dict[str, Any]]]:
@@ -46,22 +56,40 @@ def _contexts() -> list[tuple[bool, dict[str, Any]]]:
 
 
 @contextlib.contextmanager
-def distributing(enabled: bool, overrides: dict[str, Any]):
-    """Registered classes built inside are (enabled) or are not replaced; the innermost block wins."""
-    _contexts().append((bool(enabled), dict(overrides)))
+def distributing(enabled: bool, overrides: dict[str, Any], defaults: bool = False):
+    """Registered classes built inside are (enabled) or are not replaced, default registrations
+    too with `defaults`; the innermost block wins."""
+    _contexts().append((bool(enabled), dict(overrides), bool(defaults)))
     try:
         yield
     finally:
         _contexts().pop()
 
 
-def _active() -> tuple[bool, dict[str, Any]]:
+def _active() -> tuple[bool, dict[str, Any], bool]:
     contexts = _contexts()
-    return contexts[-1] if contexts else (False, {})
+    return contexts[-1] if contexts else (False, {}, False)
 
 
 def registered(module_cls: type) -> Registration | None:
-    return _registry.get(module_cls)
+    """The class's registration: the user's, or a default one that has replaced the class here."""
+    found = _registry.get(module_cls)
+    if found is None and module_cls in _built_by_default:
+        found = _defaults[module_cls]
+    return found
+
+
+def register_default(module_cls, dist_module, hooks: tuple, after_build=None) -> None:
+    """A registration that applies only in contexts opened with defaults=True, and that a user's
+    registration of the class replaces (see the module doc). Registering twice is a no-op, and so
+    is registering a class of a model the user registered a class of (see _drop_defaults)."""
+    if module_cls in _defaults or any(c.__module__ == module_cls.__module__ for c in _registry):
+        return
+    init_hook, forward_hook, return_hook = hooks
+    _defaults[module_cls] = Registration(
+        module_cls, dist_module, init_hook, forward_hook, return_hook, module_cls.__new__, after_build
+    )
+    module_cls.__new__ = _new
 
 
 def tp_register(dist_module, init_hook=None, forward_hook=None, return_hook=None):
@@ -79,6 +107,7 @@ def tp_register_with_module(module_cls, dist_module, init_hook=None, forward_hoo
     for role, cls in (("module_cls", module_cls), ("dist_module", dist_module)):
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"smp.tp_register: {role} must be an nn.Module subclass, got {cls!r}")
+    default = _drop_defaults(module_cls)
     if module_cls in _registry:
         raise ValueError(
             f"smp.tp_register: {module_cls.__qualname__} is already registered to "
@@ -97,11 +126,25 @@ def tp_register_with_module(module_cls, dist_module, init_hook=None, forward_hoo
                 f"smp.tp_register: return_hook {_describe(return_hook)} must take one argument, the "
                 f"distributed module's output, and return what {module_cls.__qualname__}.forward returns"
             ) from None
-    original_new = module_cls.__new__
+    original_new = module_cls.__new__ if default is None else default.original_new
+    _adapters.pop(module_cls, None)
     _registry[module_cls] = Registration(
         module_cls, dist_module, init_hook, forward_hook, return_hook, original_new
     )
     module_cls.__new__ = _new
+
+
+def _drop_defaults(module_cls: type) -> Registration | None:
+    """A user's registration of a class ends the default registrations of its model (the classes of
+    its module: registering GPT2Block keeps GPT2LMHeadModel from being replaced whole). Returns
+    the class's own default registration, if it had one."""
+    own = None
+    for cls in [c for c in _defaults if c.__module__ == module_cls.__module__]:
+        default = _defaults.pop(cls)  # (its __new__ stays _new, which now builds it as it is)
+        _built_by_default.discard(cls)
+        if cls is module_cls:
+            own = default
+    return own
 
 
 def _describe(fn) -> str:
@@ -146,18 +189,40 @@ def _check_hook(role: str, hook, module_cls: type, method: str) -> None:
 
 
 def _new(cls, *args, **kwargs):
+    enabled, overrides, defaults = _active()
     registration = _registry.get(cls)
-    enabled, overrides = _active()
+    by_default = registration is None and defaults and cls in _defaults
+    if by_default:
+        registration = _defaults[cls]
     if registration is None or not enabled:
         # Not registered itself (a subclass of a registered class), or outside the context.
-        original = _original_new(cls)
-        return original(cls) if original is object.__new__ else original(cls, *args, **kwargs)
-    return _build(registration, args, kwargs, overrides)
+        return _build_original(cls, args, kwargs)
+    if not by_default:
+        return _build(registration, args, kwargs, overrides)
+    try:
+        module = _build(registration, args, kwargs, overrides)
+    except ValueError as refused:  # a configuration smp.nn's module does not express
+        warnings.warn(
+            f"smp: {cls.__qualname__} is kept as it is, not replaced by smp.nn."
+            f"{registration.dist_module.__name__} (SMP v1's distributed transformer): {refused}. Its "
+            "layers are sharded by smp's graph tensor parallelism instead",
+            stacklevel=3,
+        )
+        return _build_original(cls, args, kwargs)
+    _built_by_default.add(cls)
+    if registration.after_build is not None:
+        registration.after_build(module)
+    return module
+
+
+def _build_original(cls, args: tuple, kwargs: dict):
+    original = _original_new(cls)
+    return original(cls) if original is object.__new__ else original(cls, *args, **kwargs)
 
 
 def _original_new(cls):
     for klass in cls.__mro__:
-        found = _registry.get(klass)
+        found = _registry.get(klass) or _defaults.get(klass)
         if found is not None:
             return found.original_new
     return object.__new__
