@@ -572,41 +572,6 @@ def _gpt2_lm_head_registered(config, momentum=0.0):
     }
 
 
-# --- GPT-Neo: SMP's hook name, refused with what smp.nn lacks (GPT-J, GPT-NeoX: test_smp_nn_rotary.py) ---
-
-
-@pytest.mark.parametrize(
-    "model, function, model_class, missing",
-    [
-        ("gptneo", "get_hf_gptneo_transformer_lm_head_hooks", "GPTNeoForCausalLM", "local \\(windowed\\)"),
-    ],
-)
-def test_rotary_model_hooks_name_what_smp_nn_lacks(model, function, model_class, missing):
-    """SMP v1's registration line fails before registering anything, naming what DistributedTransformerLMHead
-    lacks and the graph tensor parallelism that shards the unmodified model; the translate
-    functions (HF keys kept) return the state_dict as it is, under smdistributed's name too."""
-    import importlib
-
-    import smp
-    import transformers
-    from smp.tensor_parallel import registration
-
-    ours = importlib.import_module(f"smp.nn.huggingface.{model}")
-    assert importlib.import_module(f"smdistributed.modelparallel.torch.nn.huggingface.{model}") is ours
-    hf_class = getattr(transformers, model_class)
-    with pytest.raises(
-        NotImplementedError, match=rf"{function}: .*cannot compute {model_class}: .*{missing}"
-    ) as e:
-        smp.tp_register_with_module(hf_class, smp.nn.DistributedTransformerLMHead, *getattr(ours, function)())
-    assert f"under `with smp.tensor_parallelism(): model = {model_class}(config)`" in str(e.value)
-    assert "graph tensor parallelism shards" in str(e.value)
-    assert registration.registered(hf_class) is None
-    state = {"transformer.h.0.attn.q_proj.weight": torch.ones(2)}
-    assert getattr(ours, f"translate_hf_state_dict_to_smdistributed_{model}")(state) is state
-    assert getattr(ours, f"translate_state_dict_to_hf_{model}")(state, max_seq_len=8) is state
-    assert getattr(ours, f"translate_hf_{model}_state_dict_to_smdistributed")(state, 8) is state
-
-
 # --- tp=2 and tp=4, two and four processes: every module against the dense reference ----------------
 
 REL = 1e-10  # float64 throughout: the only differences are summation orders
@@ -884,11 +849,11 @@ def _registered_tiny_lm(rank, world_size, folder):
     params = smp.nn.full_state_dict(dmodel.get_module())
     # The model's state_dict gathers the shards (keys as built), and loading it cuts them again.
     whole_after = {k: v.clone() for k, v in dmodel.state_dict().items()}  # not views of the parameters
-    before = {n: p.detach().clone() for n, p in dmodel.module.named_parameters()}
+    before = {n: p.detach().clone() for n, p in dmodel.get_module().named_parameters()}
     dmodel.load_state_dict({k: torch.zeros_like(v) for k, v in whole_after.items()})
-    zeroed = all(not p.any() for p in dmodel.module.parameters())
+    zeroed = all(not p.any() for p in dmodel.get_module().parameters())
     dmodel.load_state_dict(whole_after)
-    reloaded = all(torch.equal(p, before[n]) for n, p in dmodel.module.named_parameters())
+    reloaded = all(torch.equal(p, before[n]) for n, p in dmodel.get_module().named_parameters())
     trained = {k.replace(".layer.", "."): v for k, v in dense.state_dict().items()}
     param_err = max(_max_err(params[k], trained[k]) for k in trained if not k.startswith("head."))
     return {

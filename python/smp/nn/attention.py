@@ -17,6 +17,9 @@ to the documented behaviour):
 - `zero_fully_masked_rows`: a query whose every key is masked (a left-padded position under the
   causal mask) attends to nothing (zero probabilities), as torch's scaled_dot_product_attention,
   Hugging Face's default attention, has it; otherwise (SMP's) the softmax of its masked scores.
+- `scale_attention_scores=False`: q·kᵀ is not divided by sqrt(head size) (GPT-Neo's).
+- `attention_window=W` (with causal_mask_size): local attention, each query sees itself and the
+  W - 1 keys before it (GPT-Neo's "local" layers, its window_size).
 """
 
 from __future__ import annotations
@@ -71,9 +74,12 @@ class DistributedAttentionLayer(DistributedModule):
         use_attention_output_bias: bool = True,
         attention_scores_in_fp32: bool = False,
         zero_fully_masked_rows: bool = False,
+        scale_attention_scores: bool = True,
+        attention_window: int | None = None,
     ):
         super().__init__()
         check_layernorms("DistributedAttentionLayer", pre_layernorm, post_layernorm)
+        _check_window(attention_window, causal_mask_size, cross_attention)
         rotary.check("DistributedAttentionLayer", rotary_dim, attention_head_size, rotary_emb_base)
         if rotary_dim is not None and cross_attention:
             raise ValueError(
@@ -92,6 +98,7 @@ class DistributedAttentionLayer(DistributedModule):
         self.rotary_emb_base = float(rotary_emb_base)
         self.attention_scores_in_fp32 = attention_scores_in_fp32
         self.zero_fully_masked_rows = zero_fully_masked_rows
+        self.score_divisor = math.sqrt(attention_head_size) if scale_attention_scores else None
         width = num_attention_heads * attention_head_size
         init = dict(
             use_normal_initialization=use_normal_initialization,
@@ -112,6 +119,8 @@ class DistributedAttentionLayer(DistributedModule):
         self.causal_mask_size = causal_mask_size
         if causal_mask_size is not None and not cross_attention:
             causal = torch.tril(torch.ones(causal_mask_size, causal_mask_size, dtype=torch.bool))
+            if attention_window is not None:  # and not the keys attention_window or more back
+                causal = causal & ~torch.tril(causal, -attention_window)
             self.register_buffer("causal_mask", causal, persistent=False)  # not a checkpoint entry
         else:
             self.causal_mask = None
@@ -148,7 +157,9 @@ class DistributedAttentionLayer(DistributedModule):
             q, k = self._rotate(q, k, position_ids)
         if self.attention_scores_in_fp32 and q.dtype in _HALF:
             q, k = q.float(), k.float()
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if self.score_divisor is not None:
+            scores = scores / self.score_divisor
         if self.causal_mask is not None:
             sq, sk = scores.shape[-2], scores.shape[-1]
             if sk > self.causal_mask_size:
@@ -184,6 +195,21 @@ class DistributedAttentionLayer(DistributedModule):
         return (
             rotary.apply(q, sin, cos, self.rotary_dim, self.rotary_interleaved),
             rotary.apply(k, sin, cos, self.rotary_dim, self.rotary_interleaved),
+        )
+
+
+def _check_window(window: int | None, causal_mask_size: int | None, cross_attention: bool) -> None:
+    if window is None:
+        return
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(
+            f"smp.nn.DistributedAttentionLayer: attention_window={window!r} must be a positive int (the "
+            "number of keys a query sees: itself and the ones before it)"
+        )
+    if causal_mask_size is None or cross_attention:
+        raise ValueError(
+            f"smp.nn.DistributedAttentionLayer: attention_window={window} needs causal self-attention; "
+            "pass causal_mask_size (the longest sequence) and cross_attention=False"
         )
 
 

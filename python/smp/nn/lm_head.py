@@ -15,6 +15,8 @@ own, `lm_head` (weight [vocab, hidden] cut by vocabulary rows like the embedding
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,6 +45,24 @@ class VocabParallelEmbedding(DistributedModule):
             return F.embedding(input_ids, self.weight)
         start = tp_group.tp_rank() * self.weight.shape[0]
         return ops.vocab_parallel_embedding(input_ids, self.weight, start, None, group)
+
+
+class _NormalEmbedding(nn.Embedding):
+    """A whole table drawn from N(0, std) (use_normal_initialization), also when delayed
+    initialization draws it again (reset_parameters)."""
+
+    def __init__(self, num: int, dim: int, std: float):
+        self.std = std
+        super().__init__(num, dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, 0.0, self.std)
+
+
+def _table(num: int, dim: int, normal: bool, std: float) -> nn.Embedding | None:
+    if not num:
+        return None
+    return _NormalEmbedding(num, dim, std) if normal else nn.Embedding(num, dim)
 
 
 class DistributedTransformerLMHead(DistributedModule):
@@ -76,6 +96,7 @@ class DistributedTransformerLMHead(DistributedModule):
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
         initialize_with_same_seed: bool = False,
+        fp32_residual_addition: bool = False,
         rotary_dim: int | None = None,
         rotary_interleaved: bool = False,
         rotary_emb_base: float = 10000.0,
@@ -85,6 +106,8 @@ class DistributedTransformerLMHead(DistributedModule):
         zero_fully_masked_rows: bool = False,
         parallel_attn_output: bool = False,
         shared_pre_layernorm: bool = False,
+        scale_attention_scores: bool = True,
+        attention_windows: Sequence[int | None] | None = None,
         use_position_embedding: bool = True,
         tie_word_embeddings: bool = True,
         lm_head_bias: bool = False,
@@ -109,12 +132,10 @@ class DistributedTransformerLMHead(DistributedModule):
         self.word_embedding = VocabParallelEmbedding(
             vocab_size, hidden_size, embedding_fill, initialize_with_same_seed
         )
-        self.position_embedding = nn.Embedding(num_positions, hidden_size) if use_position_embedding else None
-        self.token_type_embedding = nn.Embedding(num_token_types, hidden_size) if num_token_types else None
-        if use_normal_initialization:
-            for table in (self.position_embedding, self.token_type_embedding):
-                if table is not None:
-                    nn.init.normal_(table.weight, 0.0, initializer_range)
+        normal = use_normal_initialization
+        positions = num_positions if use_position_embedding else 0
+        self.position_embedding = _table(positions, hidden_size, normal, initializer_range)
+        self.token_type_embedding = _table(num_token_types, hidden_size, normal, initializer_range)
         self.dropout = nn.Dropout(hidden_dropout_prob)
         self.transformer = DistributedTransformer(
             num_layers=num_layers,
@@ -133,6 +154,7 @@ class DistributedTransformerLMHead(DistributedModule):
             pre_layernorm=pre_layernorm,
             post_layernorm=post_layernorm,
             initialize_with_same_seed=initialize_with_same_seed,
+            fp32_residual_addition=fp32_residual_addition,
             rotary_dim=rotary_dim,
             rotary_interleaved=rotary_interleaved,
             rotary_emb_base=rotary_emb_base,
@@ -142,6 +164,8 @@ class DistributedTransformerLMHead(DistributedModule):
             zero_fully_masked_rows=zero_fully_masked_rows,
             parallel_attn_output=parallel_attn_output,
             shared_pre_layernorm=shared_pre_layernorm,
+            scale_attention_scores=scale_attention_scores,
+            attention_windows=attention_windows,
         )
         if self.use_final_layernorm:
             self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)

@@ -12,19 +12,20 @@ Residuals: SMP's reference code adds the residual only with post_layernorm; its 
 every pre-LN model registered to them, GPT-2 through SMP's own hooks) add it in both modes, so
 here the block returns `layernorm(x + out)` with post_layernorm and `x + out` without.
 
-Options beyond SMP's documented arguments (defaults: the documented behaviour), for GPT-J and
-GPT-NeoX: the attention's (`rotary_dim`, `rotary_interleaved`, `rotary_emb_base`, `use_qkv_bias`,
-`use_attention_output_bias`, `attention_scores_in_fp32`, `zero_fully_masked_rows`; see
-attention.py), passed through, and the parallel residual: with `parallel_attn_output=True`
-(pre-LN only) the attention and the MLP both read the layer's input x and the layer returns
-`x + (attention + mlp)` (GPT-NeoX's use_parallel_residual, each branch with its own norm);
-`shared_pre_layernorm=True` feeds the MLP the attention's normalized input instead (GPT-J's single
-ln_1; the MLP then has no norm). With rotary embeddings the tuples may carry position_ids third:
-(hidden_states, attention_mask, position_ids) in and out.
+Options beyond SMP's documented arguments (defaults: the documented behaviour), for GPT-J,
+GPT-NeoX and GPT-Neo: the attention's (`rotary_dim`, `rotary_interleaved`, `rotary_emb_base`,
+`use_qkv_bias`, `use_attention_output_bias`, `attention_scores_in_fp32`, `zero_fully_masked_rows`,
+`scale_attention_scores`, `attention_window`; see attention.py), passed through, and the parallel
+residual: with `parallel_attn_output=True` (pre-LN only) the attention and the MLP both read the
+layer's input x and the layer returns `x + (attention + mlp)` (GPT-NeoX's use_parallel_residual,
+each branch with its own norm); `shared_pre_layernorm=True` feeds the MLP the attention's
+normalized input instead (GPT-J's single ln_1; the MLP then has no norm). With rotary embeddings
+the tuples may carry position_ids third: (hidden_states, attention_mask, position_ids) in and out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -137,6 +138,8 @@ class DistributedTransformerLayer(DistributedModule):
         zero_fully_masked_rows: bool = False,
         parallel_attn_output: bool = False,
         shared_pre_layernorm: bool = False,
+        scale_attention_scores: bool = True,
+        attention_window: int | None = None,
     ):
         super().__init__()
         _check_parallel_residual(
@@ -175,8 +178,11 @@ class DistributedTransformerLayer(DistributedModule):
             use_attention_output_bias=use_attention_output_bias,
             attention_scores_in_fp32=attention_scores_in_fp32,
             zero_fully_masked_rows=zero_fully_masked_rows,
+            scale_attention_scores=scale_attention_scores,
         )
-        self.attention = DistributedAttentionLayer(causal_mask_size=causal_mask_size, **attention, **options)
+        self.attention = DistributedAttentionLayer(
+            causal_mask_size=causal_mask_size, attention_window=attention_window, **attention, **options
+        )
         if add_cross_attention:
             self.cross_attention = DistributedAttentionLayer(cross_attention=True, **attention)
         if shared_pre_layernorm:
@@ -209,11 +215,23 @@ class DistributedTransformerLayer(DistributedModule):
         return residual(x, attn + mlp, self.fp32_residual_addition)
 
 
+def _windows(windows: Sequence[int | None] | None, num_layers: int) -> list[int | None]:
+    if windows is None:
+        return [None] * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(
+            f"smp.nn.DistributedTransformer: attention_windows has {len(windows)} entries for "
+            f"num_layers={num_layers}; give one per layer (None for global attention)"
+        )
+    return list(windows)
+
+
 class DistributedTransformer(DistributedModule):
     """num_layers DistributedTransformerLayers in `seq_layers` (an nn.Sequential), each built with
     the other arguments; forward takes and returns the layers' tuples. With both pre_layernorm and
     post_layernorm, the stack's input and output are normalized too (`pre_layernorm`,
-    `layernorm`), as SMP documents."""
+    `layernorm`), as SMP documents. `attention_windows` (smp's addition, GPT-Neo's local layers):
+    per layer, its attention_window (None: global)."""
 
     def __init__(
         self,
@@ -243,8 +261,11 @@ class DistributedTransformer(DistributedModule):
         zero_fully_masked_rows: bool = False,
         parallel_attn_output: bool = False,
         shared_pre_layernorm: bool = False,
+        scale_attention_scores: bool = True,
+        attention_windows: Sequence[int | None] | None = None,
     ):
         super().__init__()
+        windows = _windows(attention_windows, num_layers)
         layer: dict[str, Any] = dict(
             num_attention_heads=num_attention_heads,
             attention_head_size=attention_head_size,
@@ -271,9 +292,12 @@ class DistributedTransformer(DistributedModule):
             zero_fully_masked_rows=zero_fully_masked_rows,
             parallel_attn_output=parallel_attn_output,
             shared_pre_layernorm=shared_pre_layernorm,
+            scale_attention_scores=scale_attention_scores,
         )
         self.num_layers = num_layers
-        self.seq_layers = nn.Sequential(*(DistributedTransformerLayer(**layer) for _ in range(num_layers)))
+        self.seq_layers = nn.Sequential(
+            *(DistributedTransformerLayer(**layer, attention_window=window) for window in windows)
+        )
         self.outer_norms = pre_layernorm and post_layernorm
         if self.outer_norms:
             self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
