@@ -37,7 +37,7 @@ from .partition import (
     segments,
 )
 from .split import OutputLeaf, PipelineGraph, StageModule, Value, split
-from .tensor_parallel import ShardSpec, TensorParallelResult, tensor_parallel
+from .tensor_parallel import ShardSpec, TensorParallelResult, module_specs, tensor_parallel
 
 __all__ = [
     "CaptureError",
@@ -63,6 +63,7 @@ __all__ = [
     "segments",
     "split",
     "ShardSpec",
+    "module_specs",
     "TensorParallelResult",
     "tensor_parallel",
 ]

@@ -44,10 +44,10 @@ from ..fx_utils import fetch_attr, module_stack, parent_path
 from ..linear_forms import canonicalize_linears
 from . import rules  # noqa: F401  (importing registers every rule)
 from .driver import Demote, Rewrite
-from .explicit import explicit_specs, register_explicit_module
+from .explicit import explicit_specs, module_specs, register_explicit_module
 from .layout import ShardSpec
 
-__all__ = ["ShardSpec", "TensorParallelResult", "register_explicit_module", "tensor_parallel"]
+__all__ = ["ShardSpec", "TensorParallelResult", "module_specs", "register_explicit_module", "tensor_parallel"]
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torch import fx
+from torch import fx, nn
 
 from ..fx_utils import fetch_attr
 from .layout import ShardSpec
@@ -58,4 +58,19 @@ def explicit_specs(gm: fx.GraphModule) -> dict[str, ShardSpec]:
                 continue  # not read by this graph
             if value is not None:
                 specs[target] = ShardSpec(dim)
+    return specs
+
+
+def module_specs(root: nn.Module, degree: int) -> dict[int, ShardSpec]:
+    """id(parameter) -> how it is cut, for the cut parameters of the registered modules in `root`
+    as built (before any capture; none at tensor-parallel degree 1, where they hold whole tensors)."""
+    if degree == 1:
+        return {}
+    specs = {}
+    for module in root.modules():
+        dims = _EXPLICIT_TYPES.get(f"{type(module).__module__}.{type(module).__qualname__}", {})
+        for name, dim in dims.items():
+            param = module._parameters.get(name)
+            if param is not None:
+                specs[id(param)] = ShardSpec(dim)
     return specs

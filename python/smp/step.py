@@ -111,6 +111,8 @@ def step(
     @functools.wraps(fn)
     def run(*args, **kwargs):
         st = parallel_state.state()
+        if st.model is not None and st.model.engine.groups.pp_size > 1:
+            args, kwargs = st.model.engine.step_arguments(args, kwargs)
         m = st.config.microbatches
         shape = (len(args), tuple(kwargs))
         batch_size = _whole_batch(args, kwargs) if m == 1 and named and shape in bindable else _SPLIT

@@ -24,7 +24,7 @@ from smp import hf, params, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
-from smp.engine import compiled, inputs, signatures
+from smp.engine import compiled, first_stage, inputs, signatures
 from smp.engine.accumulation import Accumulation
 from smp.engine.build import debug_report
 from smp.engine.plan import Plan, place_sharded, place_whole, rank_device
@@ -108,8 +108,11 @@ class Engine:
 
     @property
     def shard_specs(self) -> Mapping[int, passes.ShardSpec]:
-        """id(local shard) -> how it was cut (empty before partitioning or without TP)."""
-        return self.plan.shard_specs if self.plan is not None else {}
+        """id(local shard) -> how it was cut (without TP: empty; before partitioning: smp.nn's
+        modules', which shard themselves as they are built)."""
+        if self.plan is not None:
+            return self.plan.shard_specs
+        return passes.module_specs(self.module, self.groups.tp_size)
 
     @property
     def signature_cache(self) -> signatures.SignatureCache:
@@ -189,6 +192,12 @@ class Engine:
         """A step failed part-way: with pipeline stages, its messages may still be in flight."""
         if self.groups.pp_size > 1:
             self._failed_step = f"{type(error).__name__}: {error}"
+
+    def step_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A step's arguments: the first pipeline stage's on every stage (smp.engine.first_stage)."""
+        if self.groups.pp_size == 1:
+            return args, kwargs
+        return first_stage.arguments(args, kwargs, self.groups, self._device)
 
     # --- one microbatch ----------------------------------------------------------------
 
@@ -332,7 +341,7 @@ class Engine:
     def holds_whole_state(self) -> bool:
         """Whether the module's own state_dict is the whole model's (not partitioned into stages
         or shards, nor sharded over the sdp group)."""
-        return self.sharded_data is None and not (self.captures and self.partitioned)
+        return self.sharded_data is None and not (self.captures and (self.partitioned or self.shard_specs))
 
     @property
     def state(self) -> model_state.ModelState:
