@@ -150,7 +150,7 @@ class SmpContestant:
         return loss.item()
 
     def memory(self) -> dict:
-        params = unique(self.model.module.parameters())
+        params = unique(self.model.get_module().parameters())
         inner = unique(p for g in self.opt.optimizer.param_groups for p in g["params"])
         # The chunks the inner optimizer steps count as master copies unless they are views of the
         # parameters' storage (fp32), and their grads likewise.
@@ -342,7 +342,11 @@ def measure(args) -> dict | None:
             mine[name]["phases"].append(phases)
     load.append(os.getloadavg()[0])
     mine["memory"] = {name: runs[name].memory() for name in CONTESTANTS}
-    models = {"smp": runs["smp"].model.module, "peer": runs["peer"].ddp.module, "single": runs["single"].gpt}
+    models = {
+        "smp": runs["smp"].model.get_module(),
+        "peer": runs["peer"].ddp.module,
+        "single": runs["single"].gpt,
+    }
     mine["param_gap"] = {
         f"{a}_vs_{b}": max_abs_gap(models[a], models[b])
         for a, b in (("smp", "peer"), ("smp", "single"), ("peer", "single"))

@@ -167,7 +167,7 @@ class SmpContestant:
         self.train_step = train_step
 
     def parameters(self):
-        return self.model.module.parameters()
+        return self.model.get_module().parameters()
 
     def optimizer(self):
         return self.opt.optimizer

@@ -31,8 +31,11 @@ class DistributedModel(nn.Module):
     (call optimizer.step() and zero_grad() every N steps; scale the loss by 1/N as for any
     accumulation).
 
-    `model.module` is the module itself (SMP's `model.module.module` is not given: adding a
-    `module` attribute to the user's module would register it as a submodule of itself).
+    `model.get_module()` is the wrapped module. `model.module` nests as SMP v1's did, whose
+    `.module` was its data-parallel wrapper (with fp16, the fp16 wrapper around that): scripts
+    reach the module as `model.module.module` (fp16: `model.module.module.module`). The wrappers
+    (`Nesting`) hold the module without copying anything; their `named_parameters()` carry
+    SMP's `module.` prefix, and calling one calls the DistributedModel.
     """
 
     def __init__(
@@ -68,7 +71,7 @@ class DistributedModel(nn.Module):
                 "(the number of steps whose gradients one optimizer step applies)"
             )
         super().__init__()
-        self.module = module
+        self._modules["module"] = module  # its names in this one's: "module.<name>" (the property below)
         self.engine = Engine(
             module,
             st.config,
@@ -146,21 +149,30 @@ class DistributedModel(nn.Module):
 
     def get_module(self) -> nn.Module:
         """The wrapped module (after partitioning, holding this rank's part)."""
-        return self.module
+        return self._modules["module"]
+
+    @property
+    def module(self) -> nn.Module:
+        """SMP v1's `.module`: its data-parallel wrapper around the module (and with fp16 its fp16
+        wrapper around that), whose `.module` is the next level (see the class doc)."""
+        if "_nesting" not in self.__dict__:  # (made once; not a submodule)
+            nested = Nesting(self.get_module(), self)
+            self.__dict__["_nesting"] = Nesting(nested, self) if self.engine.config.fp16 else nested
+        return self.__dict__["_nesting"]
 
     # --- this rank's part ----------------------------------------------------
 
     def local_parameters(self):
-        return self.module.parameters()
+        return self.get_module().parameters()
 
     def local_named_parameters(self):
-        return self.module.named_parameters()
+        return self.get_module().named_parameters()
 
     def local_buffers(self):
-        return self.module.buffers()
+        return self.get_module().buffers()
 
     def local_named_buffers(self):
-        return self.module.named_buffers()
+        return self.get_module().named_buffers()
 
     def local_modules(self):
         """Modules holding a parameter or buffer on this rank."""
@@ -170,7 +182,7 @@ class DistributedModel(nn.Module):
         """(name, module) of the modules holding a parameter or buffer on this rank."""
         return [
             (name, m)
-            for name, m in self.module.named_modules()
+            for name, m in self.get_module().named_modules()
             if next(m.parameters(recurse=False), None) is not None
             or next(m.buffers(recurse=False), None) is not None
         ]
@@ -178,7 +190,7 @@ class DistributedModel(nn.Module):
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's part, marked partial (in the dict's torch metadata, which torch.save keeps), so
         that load_state_dict called before the first step knows to wait for partitioning."""
-        state = self.module.state_dict()
+        state = self.get_module().state_dict()
         state._metadata.setdefault("", {})[_PARTIAL] = True
         return state
 
@@ -188,7 +200,7 @@ class DistributedModel(nn.Module):
         call it on every rank (or on every rank with rdp_rank() == 0). Under sharded data parallelism
         it gathers the shards over the sdp group: call it on every rank."""
         if self.engine.holds_whole_state:
-            return self.module.state_dict(*args, **kwargs)
+            return self.get_module().state_dict(*args, **kwargs)
         return self.engine.state.full()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -200,12 +212,14 @@ class DistributedModel(nn.Module):
         if partial:
             if self.engine.captures and not self.partitioned:
                 self.engine.register_post_partition_hook(
-                    lambda optimizer: self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+                    lambda optimizer: self.get_module().load_state_dict(
+                        state_dict, strict=strict, assign=assign
+                    )
                 )
                 return None
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.engine.holds_whole_state:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+            return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine.state.load(state_dict, strict)
         return None
 
@@ -214,15 +228,15 @@ class DistributedModel(nn.Module):
         and the model's config to `save_directory`, so `AutoModel.from_pretrained(save_directory)`
         loads it in a plain process without smp. A collective: call it on every rank; global rank
         0 writes. Keyword arguments go to transformers' `save_pretrained`."""
-        if not callable(getattr(self.module, "save_pretrained", None)):
+        if not callable(getattr(self.get_module(), "save_pretrained", None)):
             raise TypeError(
                 f"smp: save_pretrained needs a Hugging Face transformers PreTrainedModel; the wrapped "
-                f"module is a {type(self.module).__name__}. Save its full weights with "
+                f"module is a {type(self.get_module()).__name__}. Save its full weights with "
                 "smp.save(model.state_dict(), f, partial=False) instead"
             )
         full = self.state_dict()  # a collective over the stages and shards
         if parallel_state.rank() == 0:
-            hf.save_pretrained(self.module, full, save_directory, **kwargs)
+            hf.save_pretrained(self.get_module(), full, save_directory, **kwargs)
         torch.distributed.barrier()
 
     def _local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -242,7 +256,7 @@ class DistributedModel(nn.Module):
             return self.engine.sharded_data.clip_grad_norm(max_norm, norm_type)
         first_replica = self.engine.groups.rdp_rank == 0
         return grad_norm.clip_whole(
-            self.module.parameters(), self.engine.counts_in_norm, max_norm, first_replica
+            self.get_module().parameters(), self.engine.counts_in_norm, max_norm, first_replica
         )
 
     # --- tensor parallelism (SMP v1 names) -----------------------------------------------------
@@ -261,10 +275,10 @@ class DistributedModel(nn.Module):
         """Modules whose parameters are sharded over the tensor-parallel group."""
         owners = {
             path.rsplit(".", 1)[0] if "." in path else ""
-            for path, p in self.module.named_parameters(remove_duplicate=False)
+            for path, p in self.get_module().named_parameters(remove_duplicate=False)
             if self.is_distributed_parameter(p)
         }
-        return [self.module.get_submodule(path) for path in sorted(owners)]
+        return [self.get_module().get_submodule(path) for path in sorted(owners)]
 
     def tensor_parallel_report(self):
         """How much of the modules marked for tensor parallelism was sharded: bytes of matrix
@@ -275,11 +289,13 @@ class DistributedModel(nn.Module):
 
     def default_reducer_named_parameters(self):
         """Parameters whose gradients are averaged over the data-parallel group."""
-        return [(n, p) for n, p in self.module.named_parameters() if not self.is_distributed_parameter(p)]
+        return [
+            (n, p) for n, p in self.get_module().named_parameters() if not self.is_distributed_parameter(p)
+        ]
 
     def scaled_batch_reducer_named_parameters(self):
         """Tensor-parallel shards: gradients averaged over the reduced-data-parallel group."""
-        return [(n, p) for n, p in self.module.named_parameters() if self.is_distributed_parameter(p)]
+        return [(n, p) for n, p in self.get_module().named_parameters() if self.is_distributed_parameter(p)]
 
     # --- saved activations ---------------------------------------------------------------------
 
@@ -328,8 +344,21 @@ def set_activation_checkpointing(
             "wrap the model with smp.DistributedModel(model), then checkpoint modules of "
             "model.get_module()"
         )
-    req = recompute.request(model.module, module, preserve_rng_state, pack_args_as_tuple, strategy)
+    req = recompute.request(model.get_module(), module, preserve_rng_state, pack_args_as_tuple, strategy)
     model.engine.set_activation_checkpointing(req)
+
+
+class Nesting(nn.Module):
+    """One level of SMP v1's nesting of a DistributedModel's `.module` (its data-parallel and fp16
+    wrappers): `.module` is the level below, calling it calls the DistributedModel."""
+
+    def __init__(self, inner: nn.Module, owner: DistributedModel):
+        super().__init__()
+        self.module = inner
+        object.__setattr__(self, "_owner", owner)  # (not a submodule: no cycle in the tree)
+
+    def forward(self, *args, **kwargs):
+        return self._owner(*args, **kwargs)
 
 
 def current() -> DistributedModel | None:

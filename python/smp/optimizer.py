@@ -15,6 +15,7 @@ from smp import params as param_facts
 from smp.optim import grad_norm
 from smp.optim.flat_state import FlatState, fuse_where_unset
 from smp.optim.loss_scale import LossScaler, any_rank
+from smp.sharded_data import deepspeed_names
 from smp.state import layout_free
 
 _BUILT_BEFORE_WRAP = (
@@ -63,7 +64,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "smp.DistributedOptimizer: create smp.DistributedModel first and build the optimizer from "
                 "model.parameters()"
             )
-        owned = {id(p) for p in model.module.parameters()}
+        owned = {id(p) for p in model.get_module().parameters()}
         # Built before wrapping, as in SMP's MNIST example: follow the parameters to the model's.
         _follow_moves(optimizer, model.engine.state.local_part)
         for group in optimizer.param_groups:
@@ -273,6 +274,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name):
         if name == "optimizer":
             raise AttributeError(name)
+        if name in deepspeed_names.OPTIMIZER_NAMES:  # SMP v1's sdp answered DeepSpeed's names
+            return deepspeed_names.optimizer_attribute(name, self.optimizer, self._engine.sharded_data)
         return getattr(self.optimizer, name)
 
     def __repr__(self) -> str:

@@ -197,9 +197,11 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         smp.set_activation_checkpointing(dmodel.get_module().get_submodule(module_path), strategy=strategy)
     if options.get("track_activations"):
         dmodel.track_saved_activations()
-    inner, scheduler = make_optimizer(options.get("optimizer", "adam"), dmodel.module.named_parameters())
+    inner, scheduler = make_optimizer(
+        options.get("optimizer", "adam"), dmodel.get_module().named_parameters()
+    )
     opt = smp.DistributedOptimizer(inner, **options.get("optimizer_kwargs", {}))
-    name_of = {id(p): n for n, p in dmodel.module.named_parameters()}
+    name_of = {id(p): n for n, p in dmodel.get_module().named_parameters()}
     order = [name_of[id(p)] for g in inner.param_groups for p in g["params"]]  # state_dict's indices
     norm0 = None
 

@@ -266,7 +266,7 @@ def _fp16_overflow(rank, world_size):
         opt.zero_grad()
         train_step(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(s)))
         if s == 0 and rank == 0:  # after partitioning: stage 0's position table is rank 0's alone
-            model.module.pos.weight.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+            model.get_module().pos.weight.register_hook(lambda g: g * float("inf") if poison["on"] else g)
         opt.step()
         snapshots.append({n: p.detach().clone() for n, p in model.local_named_parameters()})
         scales.append(opt.loss_scale)
@@ -303,7 +303,7 @@ def _grad_scaler(rank, world_size):
     for s in range(4):
         ids = batch(s, 16)["ids"] if s < 3 else torch.randint(0, 64, (16, 16))
         if s == 3 and rank == 0:  # an inf on stage 0 only: every rank must skip
-            model.module.pos.weight.register_hook(lambda g: g * float("inf"))
+            model.get_module().pos.weight.register_hook(lambda g: g * float("inf"))
         opt.zero_grad()
         loss = train_step(ids).reduce_mean()
         before = {n: p.detach().clone() for n, p in model.local_named_parameters()}

@@ -304,11 +304,11 @@ def _errors(rank, world_size):
     # The step machinery still works after all those failures, with an LR scheduler.
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    before = model.module.weight.detach().clone()
+    before = model.get_module().weight.detach().clone()
     ok = train(torch.ones(2, 4)).reduce_sum().item()
     opt.step()
     scheduler.step()
-    moved = (model.module.weight - before).abs().max().item()
+    moved = (model.get_module().weight - before).abs().max().item()
     return messages, ok, opt.param_groups[0]["lr"], moved
 
 

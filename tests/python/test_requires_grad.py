@@ -28,7 +28,7 @@ def _train(rank, world, config, when):
     model = smp.DistributedModel(net)
 
     def set_block0(flag: bool) -> None:
-        model.module.blocks[0].requires_grad_(flag)
+        model.get_module().blocks[0].requires_grad_(flag)
         ref.blocks[0].requires_grad_(flag)
 
     if when == "frozen when wrapped, unfrozen before step 1":
@@ -59,10 +59,10 @@ def _train(rank, world, config, when):
             length = 16
             if when == "evaluated all frozen on a new shape, then trained on it" and s == STEPS - 1:
                 length = 12  # a signature first captured by the frozen evaluation below
-                model.module.requires_grad_(False)
+                model.get_module().requires_grad_(False)
                 with torch.no_grad():
                     eval_step(torch.zeros(8 if whole else 4, length, dtype=torch.long))
-                model.module.requires_grad_(True)
+                model.get_module().requires_grad_(True)
             ids = torch.randint(0, 64, (8, length), generator=torch.Generator().manual_seed(s))
             opt.zero_grad()
             train_step(ids if whole else ids[rank * 4 : (rank + 1) * 4])
@@ -71,7 +71,7 @@ def _train(rank, world, config, when):
             models.lm_loss(ref(ids), ids).backward()
             ref_opt.step()
         if when == "all frozen for evaluation":
-            model.module.requires_grad_(False)
+            model.get_module().requires_grad_(False)
             with torch.no_grad():
                 eval_step(ids if whole else ids[rank * 4 : (rank + 1) * 4])
     except (ValueError, RuntimeError) as error:

@@ -48,7 +48,8 @@ def request(
         raise ValueError(
             f"smp.set_activation_checkpointing: the {type(module).__name__} passed is not part of the "
             "model wrapped by smp.DistributedModel; pass a module reached through model.get_module() "
-            "(or model.module), e.g. smp.set_activation_checkpointing(model.get_module().layers)"
+            "(SMP's model.module.module is the same), e.g. "
+            "smp.set_activation_checkpointing(model.get_module().layers)"
         )
     return CheckpointRequest(module, paths, preserve_rng_state, strategy)
 
