@@ -14,16 +14,16 @@ rename) only after that. A job killed at any point of a save leaves the previous
 whole and `newest` naming a complete one.
 
 Loads are safe: files are read with `torch.load(weights_only=True)`, which rebuilds tensors and
-plain containers and refuses any other pickled object (it could run code). Content of your own
-that needs more (e.g. an argparse Namespace in user_content) loads only when you pass
-`weights_only=False`, for files you trust.
+plain containers, plus the data types SMP v1 scripts keep in user_content (numpy scalars, dtypes
+and arrays, transformers configurations: smp.state.safe_load), and refuses any other pickled
+object (it could run code). Content of your own that needs more (e.g. an argparse Namespace)
+loads only when you pass `weights_only=False`, for files you trust.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import shutil
 import threading
 from typing import Any
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from smp import comm, parallel_state
-from smp.state import layout_free, model_state, storage
+from smp.state import layout_free, model_state, safe_load, storage
 
 _NEWEST = "newest"
 _INCOMPLETE = ".incomplete"
@@ -54,15 +54,16 @@ def load(
     f: str, map_location=None, partial: bool = True, back_compat: bool = False, weights_only: bool = True
 ) -> Any:
     """Reads what smp.save wrote; with partial=True, this model-parallel rank's file. `back_compat`
-    (SMP's flag for its older file formats) is accepted: smp has one format. Only tensors and plain
-    containers load unless `weights_only=False` (then the file may run code: trusted files only)."""
+    (SMP's flag for its older file formats) is accepted: smp has one format. Only tensors, plain
+    containers and smp.state.safe_load's data types load unless `weights_only=False` (then the file
+    may run code: trusted files only)."""
     del back_compat
     path = _partial_name(f) if partial else f
     if not os.path.exists(path):
         partial_file = parallel_state.is_initialized() and not partial and os.path.exists(_partial_name(f))
         hint = " (it was saved with partial=True: load it with partial=True)" if partial_file else ""
         raise FileNotFoundError(f"smp.load: {path} does not exist{hint}")
-    return _read(path, map_location, weights_only, "smp.load")
+    return safe_load.load(path, map_location, weights_only, "smp.load")
 
 
 def save_checkpoint(
@@ -192,8 +193,9 @@ def resume_from_checkpoint(
 ) -> Any:
     """Loads a checkpoint written by save_checkpoint (the newest when tag is None) into the
     DistributedModel and its DistributedOptimizer, whatever layout wrote it; returns the user
-    content. Files hold tensors and plain containers; user content with other objects needs
-    `weights_only=False` (trusted files only: unpickling them may run code).
+    content. Files hold tensors and plain containers; user content may also hold numpy values and
+    transformers configurations (smp.state.safe_load); other objects need `weights_only=False`
+    (trusted files only: unpickling them may run code).
 
     `load_sharded_optimizer_state` is accepted for SMP v1 scripts: any optimizer state resumes on
     any layout, sharded or not. `translate_function` is accepted too: checkpoints hold the
@@ -219,7 +221,7 @@ def resume_from_checkpoint(
     if not partial and os.path.isfile(folder):
         # SMP also resumed a full checkpoint that is one state_dict file, `path/tag`: transformers'
         # Trainer resumes its pytorch_model.bin this way (with load_optimizer=False).
-        model_state = _read(folder, "cpu", weights_only, "smp.resume_from_checkpoint")
+        model_state = safe_load.load(folder, "cpu", weights_only, "smp.resume_from_checkpoint")
         model.register_post_partition_hook(
             lambda model, optimizer: model.load_state_dict(model_state, strict)
         )
@@ -229,8 +231,8 @@ def resume_from_checkpoint(
         other = os.path.join(path, _folder(tag, not partial))
         hint = f" ({other} exists: pass partial={not partial})" if os.path.exists(other) else ""
         raise FileNotFoundError(f"smp.resume_from_checkpoint: {meta_file} does not exist{hint}")
-    meta = _read(meta_file, None, True, "smp.resume_from_checkpoint")
-    user_content = _read(
+    meta = safe_load.load(meta_file, None, True, "smp.resume_from_checkpoint")
+    user_content = safe_load.load(
         os.path.join(folder, _USER_CONTENT), None, weights_only, "smp.resume_from_checkpoint"
     )
     source = storage.Reader(folder, whole=not partial)  # opened now: a torn folder fails here
@@ -308,17 +310,6 @@ def _model_destinations(model, places, source, strict: bool) -> dict[str, Any]:
                     f"{tuple(slices.global_shape)} in this model"
                 )
     return {_MODEL + k: v for k, v in wanted.items() if k in stored}
-
-
-def _read(filename: str, map_location, weights_only: bool, caller: str) -> Any:
-    try:
-        return torch.load(filename, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise pickle.UnpicklingError(
-            f"{caller}: {filename} holds objects other than tensors and plain containers, and "
-            f"unpickling them could run code, so it was refused ({str(err).splitlines()[0]}). If you "
-            "wrote this file and trust it, pass weights_only=False"
-        ) from err
 
 
 def _fsync_dir(path: str) -> None:

@@ -170,7 +170,7 @@ def _unsafe(rank, world_size, folder):
 def test_a_pickled_object_that_runs_code_is_refused(tmp_path):
     (out,) = run_ranks(_unsafe, 1, str(tmp_path), timeout=120)
     for key in ("resume", "load"):
-        assert "holds objects other than tensors and plain containers" in out[key], out[key]
+        assert "holds objects other than tensors, plain containers" in out[key], out[key]
         assert "pass weights_only=False" in out[key]
         assert not out[key + "_ran"]
     assert out["opt_in_ran"]
