@@ -1,9 +1,12 @@
 """Delayed parameter initialization: `with smp.delay_param_initialization():`.
 
-Modules built inside the block get their parameters and buffers on the meta device
-(shapes only, no memory). smp.DistributedModel captures and partitions the model on
-meta tensors, shards it, and then materializes only what this rank keeps: each module
-that owns kept tensors is re-initialized by its own `reset_parameters()`, on its shard.
+Modules built inside the block get their parameters on the meta device (shapes only, no
+memory); their buffers are computed by `__init__` as usual (rotary frequencies, causal masks:
+values no initializer could give again, and small). smp.DistributedModel captures and partitions
+the model on meta parameters, shards it, and then materializes only what this rank keeps, each
+module's tensors initialized by the model's own functions: its `reset_parameters()`, and inside a
+Hugging Face model the model's `_init_weights` (applied children first, as transformers does: a
+block may re-initialize its children, as GPT-2 scales its residual projections).
 A shard is seeded from `tensor_parallel_seed`, the module's path and the rank's
 `tp_rank` (shards differ across the group, as SMP's did); replicated tensors are
 seeded without tp_rank and then taken from the group's first rank, so they agree.
@@ -25,12 +28,26 @@ from smp import params as param_facts
 
 @contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True):
-    """Modules constructed inside get meta tensors, initialized after partitioning (see module doc)."""
+    """Modules constructed inside get meta parameters, initialized after partitioning (see module
+    doc). A parameter is made meta as it is registered, before `__init__` initializes it (so that
+    initialization costs nothing); the tensor it was made from (torch.empty) is never touched."""
     if not enabled:
         yield
         return
-    with torch.device("meta"):
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = meta
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
         yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def is_delayed(module: nn.Module) -> bool:
@@ -70,24 +87,33 @@ def materialize(
     seed: int,
     tp_rank: int,
     prefix: str = "",
+    model: nn.Module | None = None,
 ) -> dict[int, torch.Tensor]:
     """Allocates and initializes the meta tensors `root` still holds (this rank's part), in new
     tensor objects put in the modules; returns id(meta tensor) -> its replacement, for the other
     holders (stage graphs; an optimizer follows smp.params.current).
 
     full_shapes: id(shard) -> the shape of the whole parameter, for tensor-parallel shards.
-    prefix: `root`'s path in the whole model (each module's seed follows its full path).
+    prefix: `root`'s path in the whole model `model` (default: root itself); each module's seed
+    follows its full path, and a Hugging Face model around it gives its initializer.
     """
+    model = root if model is None else model
     replaced: dict[int, torch.Tensor] = {}
-    for path, module in root.named_modules(remove_duplicate=False, prefix=prefix):
+    modules = list(root.named_modules(remove_duplicate=False, prefix=prefix))
+    touched: set[str] = set()  # paths of modules holding, or around, a new tensor
+    for path, module in reversed(modules):  # children before their parents, as transformers does
         own = [
             (n, t)
             for n, t in list(module._parameters.items()) + list(module._buffers.items())
             if t is not None
         ]
+        hf_init = _hf_initializer(model, path)
         if not any(t.is_meta for _, t in own):
+            if hf_init is not None and any(p.startswith(f"{path}.") or not path for p in touched):
+                with _seeded(seed, path, False):  # a block that re-initializes its children
+                    hf_init(module)
             continue
-        if not hasattr(module, "reset_parameters"):
+        if not hasattr(module, "reset_parameters") and hf_init is None:
             names = [f"{path}.{n}" if path else n for n, t in own if t.is_meta]
             raise RuntimeError(
                 f"smp: delayed initialization cannot initialize {names} of {type(module).__name__}, which "
@@ -103,11 +129,35 @@ def materialize(
                 (module._parameters if name in module._parameters else module._buffers)[name] = new
                 if id(t) in full_shapes:
                     shapes[id(new)] = full_shapes[id(t)]
-        sharded = bool(shapes)
-        with torch.random.fork_rng(devices=[]), _full_fans(shapes):
-            torch.manual_seed(seed + zlib.crc32(path.encode()) + (1_000_003 * tp_rank if sharded else 0))
-            module.reset_parameters()
+        touched.add(path)
+        with _seeded(seed + (1_000_003 * tp_rank if shapes else 0), path, True), _full_fans(shapes):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            if hf_init is not None:
+                hf_init(module)
     return replaced
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, path: str, fork: bool):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + zlib.crc32(path.encode()) + (0 if fork else 7))
+        yield
+
+
+def _hf_initializer(model: nn.Module, path: str):
+    """The `_init_weights` of the innermost Hugging Face model (a module with a config and
+    `_init_weights`) around the module at `path`, or None."""
+    found, module = None, model
+    parts = path.split(".") if path else []
+    for i in range(len(parts) + 1):
+        if hasattr(module, "_init_weights") and hasattr(module, "config"):
+            found = module._init_weights
+        if i < len(parts):
+            module = getattr(module, parts[i], None)
+            if not isinstance(module, nn.Module):
+                break
+    return found
 
 
 def replace_in(module: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
@@ -125,6 +175,7 @@ def _allocated(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, nn.Parameter):
         real = nn.Parameter(real, requires_grad=tensor.requires_grad)
         real.__dict__.update(tensor.__dict__)  # smp's marks
+        real.__dict__.pop("_is_hf_initialized", None)  # (transformers skips flagged tensors)
         param_facts.mark_moved(tensor, real)
     return real
 

@@ -111,7 +111,7 @@ def place_sharded(
         seed = config.tensor_parallel_seed
 
         def materialize(unit: nn.Module, path: str) -> None:
-            delayed_init.materialize(unit, {}, device, seed, 0, prefix=path)
+            delayed_init.materialize(unit, {}, device, seed, 0, prefix=path, model=module)
 
     sharded = shard_model(module, config, groups, device, materialize, compile_layer)
     return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, None, sharded_data=sharded)

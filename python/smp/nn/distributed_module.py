@@ -39,6 +39,7 @@ class DistributedModule(nn.Module):
         # The degree the shards were cut for: the group at call time must still have it.
         self.tp_degree = tp_group.tp_size()
         self.shard_dims: dict[str, int | None] = {}
+        self._fills: dict[str, tuple[int | None, initialization.Fill, bool]] = {}
 
     def shard_group(self):
         """The tensor-parallel group the shards belong to (None when they are whole)."""
@@ -53,12 +54,20 @@ class DistributedModule(nn.Module):
     def new_parameter(
         self, name: str, shape: tuple[int, ...], dim: int | None, fill: initialization.Fill, same_seed: bool
     ) -> nn.Parameter:
-        """Registers parameter `name` of local `shape`, this rank's slice along `dim`, filled by `fill`."""
-        param = nn.Parameter(torch.empty(shape))
-        initialization.fill_shard(param.data, dim, fill, same_seed)
-        self.register_parameter(name, param)
+        """Registers parameter `name` of local `shape`, this rank's slice along `dim`, filled by `fill`
+        (later, by reset_parameters, when delayed initialization registered it on the meta device)."""
+        self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.shard_dims[name] = dim if self.tp_degree > 1 else None
+        self._fills[name] = (dim, fill, same_seed)
+        param = self._parameters[name]
+        if not param.is_meta:
+            initialization.fill_shard(param.data, dim, fill, same_seed)
         return param
+
+    def reset_parameters(self) -> None:
+        """Fills the module's own parameters as its constructor does (delayed initialization)."""
+        for name, (dim, fill, same_seed) in self._fills.items():
+            initialization.fill_shard(self._parameters[name].data, dim, fill, same_seed)
 
 
 register_explicit_module(DistributedModule)
