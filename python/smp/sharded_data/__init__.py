@@ -31,7 +31,7 @@ from smp import params as param_facts
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.groups import ParallelGroups
-from smp.sharded_data import stages, tensors, units
+from smp.sharded_data import deepspeed_names, stages, tensors, units
 
 # Initializes the meta tensors of a module at a path (delayed parameter initialization).
 Materialize = Callable[[nn.Module, str], None]
@@ -58,25 +58,38 @@ class ShardedModel:
         self.module, self.mesh, self.clip = module, mesh, clip
         self.counts, self.norm_groups, self.shared = counts, norm_groups, shared
         self.stage_units = stage_units or {}
+        self.last_grad_norm: torch.Tensor | None = None  # the norm clip_before_step found
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The group a parameter's shards are spread over (the mesh's shard dimension)."""
+        return self.mesh.get_group(self.mesh.ndim - 1)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the sharded gradients by their global norm over the whole model (a collective over
         the sdp group, and the pipeline and tensor-parallel groups); returns the norm."""
+        norm, params = self.grad_norm(norm_type)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def grad_norm(self, norm_type: float = 2.0) -> tuple[torch.Tensor, list[nn.Parameter]]:
+        """(the sharded gradients' global norm, a collective as above; the parameters with one)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         counted = [p.grad for p in params if self.counts is None or self.counts(p)]
         device = params[0].device if params else torch.device("cpu")
         norm = torch.zeros((), device=device)
         if counted:
             norm = tensors.whole(torch.nn.utils.get_total_norm(counted, norm_type)).to(device)
-        norm = _combined_norm(norm, norm_type, self.norm_groups)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return _combined_norm(norm, norm_type, self.norm_groups), params
 
     def clip_before_step(self) -> None:
-        """SMP v1's sdp_gradient_clipping, applied before every optimizer step (<= 0: off)."""
+        """SMP v1's sdp_gradient_clipping, applied before every optimizer step (<= 0: off); the
+        global norm is kept either way (DeepSpeed's `_global_grad_norm`, which scripts log)."""
         if self.clip > 0:
-            self.clip_grad_norm(self.clip)
+            self.last_grad_norm = self.clip_grad_norm(self.clip)
+        else:
+            self.last_grad_norm = self.grad_norm()[0]
 
     def wrap_stage(
         self,
@@ -258,6 +271,7 @@ def _shard(unit: nn.Module, **options) -> dict[int, nn.Parameter]:
     for name, old in before.items():
         if after[name] is not old and id(old) not in replaced:
             param_facts.mark_moved(old, after[name])
+            deepspeed_names.name_parameter(after[name])
             replaced[id(old)] = after[name]
             # FSDP2 copied this rank's rows: free the whole, which stage graphs captured earlier
             # still reference (they read through the module from now on)
