@@ -45,6 +45,12 @@ _PRELOAD = [
 # are killed (they are usually stuck in a collective with the dead rank).
 _GRACE_SECONDS = 10.0
 
+# The checkout these tests belong to: every rank must import its smp (an editable install points
+# at whichever checkout it was installed from, and Python 3.11's fork server ignores sys.path).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TREE = os.path.dirname(os.path.dirname(_HERE))
+_PATHS = [_HERE, os.path.join(_TREE, "python")]
+
 
 class RankFailure(AssertionError):
     pass
@@ -83,8 +89,10 @@ def _worker(fn, rank, world_size, init_file, port, env, init, group_timeout, han
         MASTER_PORT=str(port),
     )
     try:
-        import smp  # noqa: F401  (registers the backend)
+        import smp  # (registers the backend)
         import torch.distributed as dist
+
+        _check_tree(smp)
 
         if init:
             dist.init_process_group(
@@ -181,7 +189,20 @@ def _copy_output(tmp: str, world_size: int) -> None:
         sys.stderr.flush()
 
 
+def _check_tree(smp) -> None:
+    for name, module in (("smp", smp), ("smp.passes", sys.modules.get("smp.passes"))):
+        where = os.path.abspath(getattr(module, "__file__", "") or "")
+        if not where.startswith(_TREE + os.sep):
+            raise RuntimeError(
+                f"harness: this rank imported {name} from {where}, not from the checkout under test "
+                f"({_TREE}); the tests would run another tree's code"
+            )
+
+
 def _context():
+    # The fork server is started with this environment (it does not take sys.path over).
+    python_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join(_PATHS + [p for p in python_path if p and p not in _PATHS])
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first run_ranks
     return ctx

@@ -111,6 +111,7 @@ def _tp2(rank, world_size):
     trained = gptneo.translate_state_dict_to_hf_gptneo(model.state_dict())
     final = dense.state_dict()
     return {
+        "type": type(model.get_module()).__name__,
         "loss_errors": errors,
         "param_error": max(_max_err(trained[k], v) for k, v in final.items()),
         "moved": max(_max_err(start[k], v) for k, v in final.items()),
@@ -119,5 +120,6 @@ def _tp2(rank, world_size):
 
 def test_gptneo_trains_at_tp2_as_hf():
     for r in run_ranks(_tp2, 2, timeout=240):
+        assert r["type"] == "DistributedTransformerLMHead"
         assert max(r["loss_errors"]) < CLOSE and r["param_error"] < CLOSE, r
         assert r["moved"] > 100 * CLOSE
