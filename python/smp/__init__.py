@@ -24,7 +24,7 @@ from smp.comm import (
 )
 from smp.compat import is_tracing, state
 from smp.config import Config
-from smp.creation import model_creation
+from smp.creation import model_creation, tensor_parallelism
 from smp.data import data_loader, data_seed, sampler, set_seed, tensor_parallel_seed
 from smp.engine.delayed_init import delay_param_initialization
 from smp.model import DistributedModel, set_activation_checkpointing
@@ -67,7 +67,7 @@ from smp.pipeline.partitioning import partition, set_partition
 from smp.planner import plan as plan  # the config planner (python -m smp.plan is smp/plan.py)
 from smp.services.timeline import write as write_timeline
 from smp.step import StepOutput, step
-from smp.tensor_parallel.marks import set_tensor_parallelism, tensor_parallelism
+from smp.tensor_parallel.marks import set_tensor_parallelism
 from smp.tensor_parallel.registration import tp_register, tp_register_with_module
 from smp.topology import CommGroup, RankType, Topology
 

@@ -1,4 +1,5 @@
-"""`smp.model_creation(...)`: the context SMP v1's scripts build their model in.
+"""`smp.model_creation(...)`: the context SMP v1's scripts build their model in, and
+`smp.tensor_parallelism(...)`.
 
     with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16, ...):
         model = AutoModelForCausalLM.from_config(config)
@@ -25,7 +26,8 @@ import torch
 
 from smp import parallel_state
 from smp.engine.delayed_init import delay_param_initialization
-from smp.tensor_parallel.marks import tensor_parallelism
+from smp.nn.huggingface import defaults
+from smp.tensor_parallel import marks
 
 # SMP v1 keyword -> a function of its value giving the smp.nn keywords it sets (None: nothing).
 _AS_SMP_NN: dict[str, Callable[[Any], dict[str, Any] | None]] = {
@@ -77,6 +79,23 @@ _REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 _warned: set[str] = set()
+
+
+@contextlib.contextmanager
+def tensor_parallelism(enabled: bool = True, distributed_transformer: bool = False, **kwargs):
+    """Modules constructed inside the block are (enabled=True) or are not distributed.
+
+    A class registered with `smp.tp_register` that is built inside is replaced by its
+    distributed module, and `kwargs` that the distributed module's __init__ takes override the
+    init_hook's (SMP v1's rule); other keywords have no effect: smp's graph pass shards the
+    model's own layers. With `distributed_transformer`, the Hugging Face models SMP v1 supported
+    out of the box are replaced by smp.nn's distributed transformer too (smp.nn.huggingface.
+    defaults; the default of `smp.model_creation(tensor_parallelism=True)`).
+    """
+    if enabled and distributed_transformer:
+        defaults.enable()
+    with marks.tensor_parallelism(enabled, distributed_transformer, **kwargs):
+        yield
 
 
 @contextlib.contextmanager

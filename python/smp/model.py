@@ -14,6 +14,7 @@ from smp import hf, parallel_state, recompute
 from smp.engine import Engine
 from smp.optim import grad_norm
 from smp.services import microbatch
+from smp.state import model_state
 
 
 class DistributedModel(nn.Module):
@@ -204,10 +205,11 @@ class DistributedModel(nn.Module):
         return self.engine.state.full()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full (unsharded) state_dict: after partitioning each rank takes the entries of its
-        stage, cut to its tensor-parallel shard. A partial one (from local_state_dict(), or marked
-        `_smp_is_partial: True` as SMP did) is this rank's part: before partitioning its loading is
-        deferred until the model is partitioned, as in SMP."""
+        """Loads a full (unsharded) state_dict: each rank takes the entries of its stage, cut to its
+        tensor-parallel shard. A partial one (from local_state_dict(), or marked `_smp_is_partial:
+        True` as SMP did) is this rank's part. Either is applied once the model is partitioned (as
+        in SMP: a model built under delayed initialization has nothing to load into before); a
+        full one's keys are checked at once."""
         state_dict, partial = _split_partial_mark(state_dict)
         if partial:
             if self.engine.captures and not self.partitioned:
@@ -218,6 +220,12 @@ class DistributedModel(nn.Module):
                 )
                 return None
             return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.engine.captures and not self.partitioned:
+            model_state.check_keys(state_dict, self.engine.state_keys, strict)
+            self.engine.register_post_partition_hook(
+                lambda optimizer: self.engine.state.load(state_dict, strict)
+            )
+            return None
         if self.engine.holds_whole_state:
             return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine.state.load(state_dict, strict)

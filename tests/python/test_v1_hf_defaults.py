@@ -231,3 +231,45 @@ def test_delayed_initialization_computes_buffers_and_uses_the_models_initializer
     assert abs(r["c_proj_std"] - 0.02 / 4) < 0.001  # GPT-2's block-level scaling of its children
     assert abs(r["neox_dense_std"] - 0.02) < 0.003 and r["bias_zero"]
     assert results[1]["same_on_ranks"] == r["same_on_ranks"]  # replicas agree
+
+
+def _delayed_captured(rank, world_size):
+    """GPT-NeoX built delayed (meta parameters, real rotary tables) and captured for tensor
+    parallelism, a dense state loaded before the first step: it trains as the dense model."""
+    import smp
+    import transformers
+
+    smp.init({"tensor_parallel_degree": 2, "delayed_parameter_initialization": True})
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(_neox_config())
+    with smp.model_creation(tensor_parallelism=True, distributed_transformer=False):
+        built = transformers.AutoModelForCausalLM.from_config(_neox_config())
+    model = smp.DistributedModel(built)
+    model.load_state_dict(dense.state_dict())  # applied once partitioned (SMP's rule)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    reference = torch.optim.SGD(dense.parameters(), lr=0.5)
+
+    @smp.step
+    def train(model, ids, mask):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    errors, before = [], _loss(dense, 0)
+    for step in range(3):
+        ids, mask = _batch(step)
+        got = train(model, ids, mask).reduce_mean()
+        optimizer.step()
+        optimizer.zero_grad()
+        want = dense(input_ids=ids, attention_mask=mask, labels=ids).loss
+        want.backward()
+        reference.step()
+        reference.zero_grad()
+        errors.append(abs(got.item() - want.item()))
+    return {"type": type(built).__name__, "errors": errors, "moved": abs(before - _loss(dense, 0))}
+
+
+def test_delayed_model_with_computed_buffers_is_captured_and_trains_as_the_dense_model():
+    for r in run_ranks(_delayed_captured, 2, timeout=240):
+        assert r["type"] == "GPTNeoXForCausalLM"
+        assert max(r["errors"]) < CLOSE and r["moved"] > 100 * CLOSE, r

@@ -160,6 +160,35 @@ def _hf_initializer(model: nn.Module, path: str):
     return found
 
 
+def real_buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Moves the buffers `__init__` computed (real, beside meta parameters) to `device`."""
+    for owner in module.modules():
+        for name, t in owner._buffers.items():
+            if t is not None and not t.is_meta and t.device != device:
+                owner._buffers[name] = t.to(device)
+
+
+@contextlib.contextmanager
+def meta_buffers(module: nn.Module):
+    """The module's real buffers swapped for meta copies (a capture on meta parameters sees one
+    device); yields id(meta copy) -> the real buffer, for the captured graph (replace_in)."""
+    real_of: dict[int, torch.Tensor] = {}
+    swapped = []
+    for owner in module.modules():
+        for name, t in owner._buffers.items():
+            if t is not None and not t.is_meta:
+                meta = t.to("meta")
+                real_of[id(meta)] = t
+                swapped.append((owner, name, meta))
+    for owner, name, meta in swapped:
+        owner._buffers[name] = meta
+    try:
+        yield real_of
+    finally:
+        for owner, name, meta in swapped:
+            owner._buffers[name] = real_of[id(meta)]
+
+
 def replace_in(module: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
     """Points every parameter and buffer slot of `module` (a graph module) at the replacements."""
     for owner in module.modules():

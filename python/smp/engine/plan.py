@@ -145,6 +145,7 @@ def make_plan(
                 "smp.delay_param_initialization()"
             )
         args, kwargs = delayed_init.to_meta((args, kwargs))
+        delayed_init.real_buffers_to(module, device)  # (what __init__ computed: rotary tables)
     else:
         module.to(device)
     # Sharded data parallelism under bf16 keeps fp32 parameters and computes in bf16: the graphs
@@ -156,7 +157,12 @@ def make_plan(
     own = schedule.rank_stages(groups.pp_rank)
 
     def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
-        return _capture_on(module, args, kwargs, retarget, device, skeleton if in_bf16 else None)
+        if not delayed:
+            return _capture_on(module, args, kwargs, retarget, device, skeleton if in_bf16 else None)
+        with delayed_init.meta_buffers(module) as real_of:  # (one device: meta) then the real ones
+            captured = _capture_on(module, args, kwargs, retarget, device, skeleton if in_bf16 else None)
+        delayed_init.replace_in(captured.graph_module, real_of)
+        return captured
 
     captured = _capture(module, args, kwargs, retarget)
     partition = placement.plan_stages(

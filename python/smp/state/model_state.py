@@ -57,13 +57,7 @@ def load_full_state_dict(
     strict: bool,
 ) -> None:
     """Each rank takes the entries of its stage, cut to its tensor-parallel shard."""
-    unknown = [k for k in state_dict if k not in keys]
-    missing = [k for k in keys if k not in state_dict]
-    if strict and (unknown or missing):
-        raise RuntimeError(
-            f"smp: load_state_dict: unexpected keys {unknown[:5]}, missing keys {missing[:5]} "
-            "(pass strict=False to load a subset)"
-        )
+    check_keys(state_dict, keys, strict)
     with torch.no_grad():
         for key, t in module.named_parameters(remove_duplicate=False):
             if key in state_dict:
@@ -71,6 +65,17 @@ def load_full_state_dict(
         for key, t in module.named_buffers(remove_duplicate=False):
             if key in state_dict:
                 t.copy_(state_dict[key])
+
+
+def check_keys(state_dict: Mapping[str, torch.Tensor], keys: list[str], strict: bool) -> None:
+    """With `strict`, a full state_dict must have exactly the model's keys."""
+    unknown = [k for k in state_dict if k not in keys]
+    missing = [k for k in keys if k not in state_dict]
+    if strict and (unknown or missing):
+        raise RuntimeError(
+            f"smp: load_state_dict: unexpected keys {unknown[:5]}, missing keys {missing[:5]} "
+            "(pass strict=False to load a subset)"
+        )
 
 
 def _unsharded_local_state(

@@ -28,14 +28,9 @@ def tensor_parallelism(enabled: bool = True, distributed_transformer: bool = Fal
     A class registered with `smp.tp_register` that is built inside is replaced by its
     distributed module, and `kwargs` that the distributed module's __init__ takes override the
     init_hook's (SMP v1's rule); other keywords have no effect: smp shards the model's own layers.
-    With `distributed_transformer`, the Hugging Face models SMP v1 supported out of the box are
-    replaced by smp.nn's distributed transformer too (smp.nn.huggingface.defaults; the default of
-    `smp.model_creation(tensor_parallelism=True)`); without it smp's graph pass shards them.
+    With `distributed_transformer`, the default registrations (registration.register_default) apply
+    too: `smp.tensor_parallelism` (smp.creation) registers SMP v1's Hugging Face models first.
     """
-    if enabled and distributed_transformer:
-        from smp.nn.huggingface import defaults  # (smp.nn sits above this package)
-
-        defaults.enable()
     with (
         module_marks.marking(_ATTR, bool(enabled)),
         registration.distributing(enabled, kwargs, defaults=distributed_transformer),
