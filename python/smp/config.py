@@ -406,8 +406,4 @@ def _check_sdp(config: Config) -> None:
             "when its backward ends, but this schedule computes weight gradients later; use "
             "pipeline 'interleaved' or 'simple'"
         )
-    if config.fp16:
-        raise ValueError(
-            f"{head} with fp16: FSDP2's mixed precision has no loss scaler here; use bf16=True "
-            "(bf16 compute, fp32 parameters and gradient reduction)"
-        )
+

@@ -16,6 +16,7 @@ from smp.optim import grad_norm
 from smp.optim.flat_state import FlatState, fuse_where_unset
 from smp.optim.loss_scale import LossScaler, any_rank
 from smp.sharded_data import deepspeed_names
+from smp.sharded_data import tensors as sharded_tensors
 from smp.state import layout_free
 
 _BUILT_BEFORE_WRAP = (
@@ -300,10 +301,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             overflow = self._flat.load_grads(scale, checks)
         elif scale != 1.0 or checks:  # else nothing to do per parameter
             for p in self._params():
-                if p.grad is not None and scale != 1.0:
-                    p.grad.div_(scale)
-                if checks and p.grad is not None:
-                    overflow = overflow or not bool(torch.isfinite(p.grad).all())
+                grad = None if p.grad is None else sharded_tensors.local(p.grad)  # (sdp: the shard)
+                if grad is not None and scale != 1.0:
+                    grad.div_(scale)
+                if checks and grad is not None:
+                    overflow = overflow or not bool(torch.isfinite(grad).all())
         self._overflow = any_rank(overflow) if checks else False
 
     # --- internals ----------------------------------------------------------------------

@@ -135,6 +135,7 @@ def reference(case: str, steps: int, global_batch: int, options=None):
     model, batch, forward, loss_fn = CASES[case]()
     model = copy.deepcopy(model)
     opt, scheduler = make_optimizer(options.get("optimizer", "adam"), model.named_parameters())
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses, norm0 = [], None
     for s in range(steps):
         b = batch(s, global_batch)
@@ -156,7 +157,15 @@ def reference(case: str, steps: int, global_batch: int, options=None):
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: dict(v) for p, v in opt.state.items()}
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "params": params, "grads": grads, "norm0": norm0, "state": state}
+    moved = max((params[n] - p).abs().max().item() for n, p in start.items())  # how far training went
+    return {
+        "losses": losses,
+        "params": params,
+        "grads": grads,
+        "norm0": norm0,
+        "state": state,
+        "moved": moved,
+    }
 
 
 def train_smp(rank, world_size, case, configs, steps, global_batch, options=None):
@@ -262,6 +271,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         "losses": losses,
         "loss_err": loss_err,
         "param_err": param_err,
+        "moved": ref["moved"],
         "local": sorted(local),
         "shared": sorted(dmodel.partition_plan.shared_parameters) if dmodel.partition_plan else [],
         "activation_peak": dmodel.saved_activation_bytes()["peak"],

@@ -27,7 +27,10 @@ def _sharded_share(smp) -> float:
 def _parity(rank, world_size):
 
     out = []
-    configs = [SDP2, SDP2 | {"bf16": True}, {"bf16": True, "ddp": True}]
+    # fp16 with SGD: Adam's first steps move every parameter by ~lr whatever the gradient's size, so a
+    # half-precision rounding of a tiny gradient moves it as much as the model moves (see "moved").
+    fp16 = (SDP2 | {"fp16": True}, {"optimizer": "sgd"})
+    configs = [SDP2, SDP2 | {"bf16": True}, {"bf16": True, "ddp": True}, fp16]
     options = {"clip": CLIP, "clipped_by_config": True}
     for case, steps, batch in CASES:
         runs = pipeline_cases.train_smp(rank, world_size, case, configs, steps, batch, options)
@@ -38,13 +41,16 @@ def _parity(rank, world_size):
 def test_sdp2_trains_like_one_process():
     """sdp=2 on the repo's GPT and HF GPT-2 and Llama: fp32 within 1e-5 (HF: 1e-4) of one process (losses,
     first gradients, clipped norm, parameters, Adam state); bf16 within 3% of it and within 1% of
-    plain data parallelism in bf16 (the same fp32 sums over bf16 compute)."""
-    for case, (fp32, bf16, dp_bf16) in run_ranks(_parity, 2, timeout=600)[0]:
+    plain data parallelism in bf16 (the same fp32 sums over bf16 compute); fp16 (fp32 shards, fp16
+    compute, SGD) within 1e-4 of one process in its parameters, which moved 50 times that."""
+    for case, (fp32, bf16, dp_bf16, fp16) in run_ranks(_parity, 2, timeout=600)[0]:
         tol = 1e-4 if case.startswith("hf_") else 1e-5  # (as test_hf_models: deeper sums)
         assert fp32["loss_err"] < tol and fp32["param_err"] < tol, (case, fp32)
         assert fp32["grad_err"] < tol and fp32["state_err"] < tol, (case, fp32)
         assert bf16["loss_err"] < 0.03 and bf16["param_err"] < 0.02, (case, bf16)
         assert bf16["losses"] == pytest.approx(dp_bf16["losses"], rel=1e-2), (case, bf16, dp_bf16)
+        assert fp16["loss_err"] < 2e-3 and fp16["param_err"] < 1e-4, (case, fp16)
+        assert fp16["moved"] > 50 * 1e-4, (case, fp16)  # training moved it far beyond the tolerance
 
 
 def _composed(rank, world_size):
@@ -271,9 +277,8 @@ def _rejected(rank, world_size, config):
             {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "pipeline": "zero_bubble"},
             ["zero_bubble", "'interleaved' or 'simple'"],
         ),
-        ({"sharded_data_parallel_degree": 2, "fp16": True}, ["bf16=True"]),
     ],
-    ids=["with_zero1", "not_dividing", "not_dividing_with_tp", "split_backward", "fp16"],
+    ids=["with_zero1", "not_dividing", "not_dividing_with_tp", "split_backward"],
 )
 def test_sdp_bad_input_is_a_clear_error(config, words):
     for message in run_ranks(_rejected, 2, config, timeout=120):
@@ -354,3 +359,46 @@ def test_sdp_compiles_each_layer_inside_its_unit():
     for run, compiles in run_ranks(_compiled, 4, timeout=900)[0]:
         assert run["loss_err"] < 1e-5 and run["param_err"] < 1e-5, run
         assert compiles > 0, run
+
+
+def _half_built_fp16(rank, world_size):
+    """SMP v1's scripts build the model in fp16 (model_creation(dtype=torch.float16)) and scale the
+    loss dynamically from 2**20 down: under sdp the shards are fp32 masters, overflowing steps
+    are skipped on every rank, and the rest train."""
+    import hf_cases
+    import smp
+
+    smp.init({"sharded_data_parallel_degree": 2, "fp16": True, "sdp_gradient_clipping": 1.0})
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=torch.float16):
+        model = smp.DistributedModel(hf_cases.gpt2(layers=2))
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = smp.DistributedOptimizer(
+        inner, static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**20}
+    )
+
+    @smp.step
+    def step_fn(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    losses, skipped = [], []
+    for step in range(10):
+        losses.append(step_fn(hf_cases.causal_batch(step, 4)["ids"]).reduce_mean().item())
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append(optimizer.overflow)
+    start = hf_cases.gpt2(layers=2)  # (the same seed's fp32 weights)
+    final = model.state_dict()
+    moved = max((final[k].float() - v).abs().max().item() for k, v in start.state_dict().items())
+    return {"dtypes": dtypes, "losses": losses, "skipped": skipped, "moved": moved}
+
+
+def test_sdp_fp16_keeps_fp32_shards_of_a_half_built_model_and_skips_overflowing_steps():
+    for r in run_ranks(_half_built_fp16, 2, timeout=240):
+        assert r["dtypes"] == {"torch.float32"}, r
+        assert r["skipped"][0] and not r["skipped"][-1], r  # 2**20 overflows fp16 first, then fits
+        assert all(loss == loss and abs(loss) < 100 for loss in r["losses"]), r  # finite throughout
+        assert r["moved"] > 0.01, r

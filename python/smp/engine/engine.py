@@ -61,8 +61,10 @@ class Engine:
         sharded = config.sharded_data_parallel_degree > 1
         if self.dtype is not None and not sharded:
             module.to(self.dtype)  # half-precision parameters and activations; fp32 masters in the optimizer
-        elif self.dtype is not None and self.captures:  # FSDP2 gathers bf16 copies of fp32 shards;
-            _cast_floating_buffers(module, self.dtype)  # the graphs are captured in bf16
+        elif self.dtype is not None:  # FSDP2 gathers half copies of fp32 shards, the masters (a
+            _fp32_parameters(module)  # model built in half precision, as SMP's scripts do, too)
+            if self.captures:  # the graphs are captured in half precision
+                _cast_floating_buffers(module, self.dtype)
         params.refresh(module)
         self._average_microbatches = average_grads_across_microbatches
         self._bucket_cap_mb = bucket_cap_mb
@@ -347,6 +349,12 @@ class Engine:
     def state(self) -> model_state.ModelState:
         """The model's state as the original module's, in the layout of now (state dicts, checkpoints)."""
         return model_state.ModelState(self.module, self.state_keys, self.shard_specs, self.groups)
+
+
+def _fp32_parameters(module: nn.Module) -> None:
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
 
 
 def _cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:

@@ -148,19 +148,20 @@ def make_plan(
         delayed_init.real_buffers_to(module, device)  # (what __init__ computed: rotary tables)
     else:
         module.to(device)
-    # Sharded data parallelism under bf16 keeps fp32 parameters and computes in bf16: the graphs
-    # are captured in bf16, on the skeleton's metas.
-    in_bf16 = config.sharded_data_parallel_degree > 1 and config.bf16
-    skeleton = Skeleton(module, torch.bfloat16 if in_bf16 else None)  # before anything is freed or sharded
+    # Sharded data parallelism under bf16/fp16 keeps fp32 parameters and computes in half
+    # precision: the graphs are captured in it, on the skeleton's metas.
+    half = _half_dtype(config) if config.sharded_data_parallel_degree > 1 else None
+    in_half = half is not None
+    skeleton = Skeleton(module, half)  # before anything is freed or sharded
     retarget = device if delayed else None
     schedule = config.schedule()
     own = schedule.rank_stages(groups.pp_rank)
 
     def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
         if not delayed:
-            return _capture_on(module, args, kwargs, retarget, device, skeleton if in_bf16 else None)
+            return _capture_on(module, args, kwargs, retarget, device, skeleton if in_half else None)
         with delayed_init.meta_buffers(module) as real_of:  # (one device: meta) then the real ones
-            captured = _capture_on(module, args, kwargs, retarget, device, skeleton if in_bf16 else None)
+            captured = _capture_on(module, args, kwargs, retarget, device, skeleton if in_half else None)
         delayed_init.replace_in(captured.graph_module, real_of)
         return captured
 
@@ -258,6 +259,10 @@ def _split_regions(captured, partition: passes.PartitionPlan, checkpointing) -> 
                 f"smp checkpointing: region {region.label} spans stages {stages}: split at the boundary"
             )
     return tuple(lines)
+
+
+def _half_dtype(config: Config) -> torch.dtype | None:
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
 
 
 def _capture_on(

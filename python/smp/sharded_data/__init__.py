@@ -9,8 +9,9 @@ mesh is two-dimensional (FSDP2's hybrid sharding): sdp groups shard, and the ran
 same shard in each sdp group average their gradients.
 
 SMP v1's knobs map to FSDP2's (config.py, README):
-- bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the sharded parameters stay
-  fp32 (they are the master weights), only gathered copies are bf16;
+- bf16 (fp16): MixedPrecisionPolicy(param_dtype=bf16 (fp16), reduce_dtype=fp32): the sharded
+  parameters stay fp32 (they are the master weights), only gathered copies are half precision;
+  fp16's loss scaling is the DistributedOptimizer's, on the fp32 sharded gradients;
 - sdp_param_persistence_threshold: a unit with fewer parameters stays gathered from its forward
   to its backward (reshard_after_forward=False), saving an all-gather;
 - sdp_max_live_parameters: how many layers are gathered ahead (explicit prefetch, units.py);
@@ -257,7 +258,8 @@ def _stage_reads(stage_graphs: dict[int, list[fx.GraphModule]]) -> dict[int, dic
 
 def _policy(config: Config) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if config.bf16 else None, reduce_dtype=torch.float32
+        param_dtype=torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None,
+        reduce_dtype=torch.float32,
     )
 
 
