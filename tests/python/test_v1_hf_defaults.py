@@ -133,6 +133,17 @@ def _kept_and_keywords(rank, world_size):
         out["opted_out"] = type(build(_gpt2_config())).__name__
     with smp.model_creation(tensor_parallelism=False):
         out["no_tp"] = type(build(_gpt2_config())).__name__
+    with smp.model_creation(tensor_parallelism=True):  # BERT and RoBERTa: the encoder is replaced
+        bert = transformers.BertModel(
+            transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+            )
+        )
+    out["bert"] = (type(bert.encoder).__name__, bert.encoder.layer is bert.encoder.seq_layers)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with smp.model_creation(tensor_parallelism=True):  # a head smp.nn cannot tie differently
@@ -174,6 +185,7 @@ def test_models_are_kept_outside_model_creation_and_its_keywords_act_or_warn():
     assert r["tensor_parallelism"] == "GPT2LMHeadModel"
     assert r["tensor_parallelism_opt_in"] == "DistributedTransformerLMHead"
     assert r["opted_out"] == r["no_tp"] == "GPT2LMHeadModel"
+    assert r["bert"] == ("DistributedTransformer", True)
     assert r["refused"] == "GPT2LMHeadModel"
     assert len(r["refused_warning"]) == 1 and "tie_word_embeddings=False" in r["refused_warning"][0]
     assert r["fp32_scores"] is True and r["fp32_residual"] is True
