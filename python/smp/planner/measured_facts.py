@@ -80,6 +80,7 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
         head_dim=hidden // heads,
         eager_attention=run.scores_saved,
         layer_ops=run.layer_ops // n,
+        layer_traffic=run.layer_traffic / n,
     )
 
 
@@ -133,6 +134,7 @@ class _Recorder:
         self.layer_input = Saved()
         self.scores_saved = False  # a layer saved a [.., seq, seq] tensor: eager attention
         self.layer_ops = 0  # ATen operations the layers dispatched
+        self.layer_traffic = 0  # bytes their elementwise operations read and wrote
         self.seq_len = 0
         self.params: dict[str, list[nn.Parameter]] = {"before": [], "after": []}
         self._seen: set[int] = set()
@@ -188,18 +190,48 @@ class _Recorder:
         return tensor
 
 
+# Operations whose time the step-time model counts as matmuls (stage_work.py), not memory traffic.
+_MATMULS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+}
+
+
 class _OpCounter(TorchDispatchMode):
-    """Counts the ATen operations dispatched while a layer runs (above the fake mode: each call
-    goes on to it)."""
+    """Counts the ATen operations dispatched while a layer runs, and the bytes those that are
+    neither views nor matmuls read and write (above the fake mode: each call goes on to it)."""
 
     def __init__(self, recorder: _Recorder):
         super().__init__()
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if self.recorder.part == "layer" and func.namespace == "aten":  # not prim's device queries
             self.recorder.layer_ops += 1
-        return func(*args, **(kwargs or {}))
+            if not func.is_view and func.overloadpacket.__name__ not in _MATMULS:
+                tensors = [*_tensors(args), *_tensors((kwargs or {}).values()), *_tensors([out])]
+                self.recorder.layer_traffic += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += _tensors(v)
+    return found
 
 
 def _key(tensor: torch.Tensor) -> int:

@@ -136,6 +136,10 @@ class ModelFacts:
     head_dim: int = 0
     eager_attention: bool = False
     layer_ops: int = 0  # ATen operations one layer's forward dispatches (each a kernel)
+    # Bytes a layer's forward elementwise operations (neither matmuls nor views) read and write per
+    # sample, in the module's dtype (4-byte floats), where measured on a module (0: estimated from
+    # the saved activations, stage_work.py).
+    layer_traffic: float = 0.0
 
     @property
     def parameters(self) -> int:

@@ -177,7 +177,7 @@ def time_split(t: step_time.StepTime) -> str:
 def _header() -> str:
     cols = ("params", "grads", "optim", "activ", "work", "comm", "peak", "+margin", "fits")
     speed = ("step s", "tok/s/GPU", "TFLOP/s", "MFU")
-    return f"{'layout':<72}" + "".join(f"{c:>8}" for c in cols) + "".join(f"{c:>10}" for c in speed)
+    return f"{'layout':<84}" + "".join(f"{c:>8}" for c in cols) + "".join(f"{c:>10}" for c in speed)
 
 
 def _row(c: Candidate) -> str:
@@ -193,4 +193,4 @@ def _row(c: Candidate) -> str:
     cells += [b.peak, b.total]
     text = "".join(f"{x / GiB:>8.1f}" for x in cells)
     speed = f"{t.total:>10.3g}{t.tokens_per_second_per_gpu:>10,.0f}{t.tflops_per_gpu:>10.1f}{t.mfu:>10.1%}"
-    return f"{c.layout.describe():<72}{text}{'yes' if c.fits else 'no':>8}{speed}"
+    return f"{c.layout.describe():<84}{text}{'yes' if c.fits else 'no':>8}{speed}"

@@ -14,6 +14,7 @@ from smp.planner.model_facts import ModelFacts
 from smp.planner.report import PlanResult, throughput_json
 
 SCALINGS = ("weak", "strong")
+WIDTH = 84  # the layout column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,9 @@ def table(points: Sequence[ScanPoint]) -> str:
 
 def _header() -> str:
     cols = ("GPUs", "batch", "step s", "tok/s/GPU", "TFLOP/s", "MFU", "GiB", "vs first")
-    return f"{cols[0]:>6}{cols[1]:>8}  {'recommended layout':<64}" + "".join(f"{c:>10}" for c in cols[2:])
+    return f"{cols[0]:>6}{cols[1]:>8}  {'recommended layout':<{WIDTH}}" + "".join(
+        f"{c:>10}" for c in cols[2:]
+    )
 
 
 def _row(p: ScanPoint) -> str:
@@ -107,7 +110,7 @@ def _row(p: ScanPoint) -> str:
         f"{t.total:>10.3g}{t.tokens_per_second_per_gpu:>10,.0f}{t.tflops_per_gpu:>10.1f}{t.mfu:>10.1%}"
         f"{best.breakdown.total / 2**30:>10.1f}{speedup:>9.2f}x"
     )
-    return head + f"{best.layout.describe():<64}" + cells
+    return head + f"{best.layout.describe():<{WIDTH}}" + cells
 
 
 def to_json(points: Sequence[ScanPoint]) -> list[dict]:
@@ -147,6 +150,8 @@ def plot(points: Sequence[ScanPoint], path: str, title: str) -> None:
                 ys.append(best.time.tokens_per_second_per_gpu)
         ax.plot(xs, ys, marker="o", label=f"{scaling} scaling")
     ax.set_xscale("log", base=2)
+    sizes = sorted({p.gpus for p in points})
+    ax.set_xticks(sizes, [str(g) for g in sizes])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("predicted tokens/s per GPU")
     ax.set_title(title, fontsize=9)

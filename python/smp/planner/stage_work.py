@@ -7,12 +7,14 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   matmuls per head: eager attention writes and reads the [seq, seq] scores through memory (the
   roofline makes them memory-bound), fused attention (sdpa / flash) keeps them on chip, and its
   backward computes the scores again (2.5 forwards of matmuls, as FlashAttention's).
-- Memory-bound kernels (norms, activations, softmax, dropout, residual adds): estimated from what
-  autograd saves (model_facts.Saved, the validated memory model): each saved tensor was written by
-  one kernel and read by the next in the forward (2x its bytes), and the backward reads it and
-  writes and reads its gradient (3x). Each dispatched operation pays the hardware's per-kernel
-  overhead (forward: the layer's ATen operations; backward: 1.6 times as many, as measured on
-  Hugging Face GPT-2 and Llama blocks).
+- Memory-bound kernels (norms, activations, softmax, dropout, residual adds): a module's layer
+  has its forward's elementwise bytes measured (measured_facts.py: every operation's inputs and
+  outputs, views and matmuls left out); a config's are estimated from what autograd saves
+  (model_facts.Saved, the validated memory model): each saved tensor was written by one kernel and
+  read by the next in the forward (2x its bytes). The backward reads what the forward wrote and
+  writes and reads the gradients: 1.5 times the forward's bytes. Each dispatched operation pays the
+  hardware's per-kernel overhead (forward: the layer's ATen operations; backward: 1.6 times as
+  many, as measured on Hugging Face GPT-2 and Llama blocks).
 - Checkpointed layers run their forward once more in the backward (matmuls, kernels and TP
   collectives).
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
@@ -109,6 +111,13 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
     group = kernels.Group(tp, 1)
     two = 2 * kernels.all_reduce(hw, boundary, group, workload.gpus_per_node, workload.gpus)
     ops = facts.layer_ops or 0
+    if facts.layer_traffic:  # measured on the module, in its 4-byte floats; cut as the saved bytes
+        elem, saved = compute_bytes(layout), facts.saved_layer
+        share = saved.per_rank(elem, tp) / max(saved.per_rank(elem, 1), 1.0)
+        nbytes = facts.layer_traffic * elem / 4 * share * mb
+        f_mem = kernels.memory_pass(hw, nbytes, ops)
+        b_mem = kernels.memory_pass(hw, BACKWARD_TRAFFIC / FORWARD_TRAFFIC * nbytes, ops * BACKWARD_OPS)
+        return Pass(fwd + attn_f, f_mem, two), Pass(bwd + attn_b, b_mem, two)
     forward = Pass(fwd + attn_f, tp_comm=two) + _saved_traffic(facts.saved_layer, layout, hw, mb, ops=ops)
     backward = Pass(bwd + attn_b, tp_comm=two)
     backward = backward + _saved_traffic(facts.saved_layer, layout, hw, mb, backward=True, ops=ops)
