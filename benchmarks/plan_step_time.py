@@ -221,13 +221,9 @@ def steps_in(layout: dict, steps: int) -> list[float]:
 
 def _time_steps(smp, dist, layout: dict, steps: int) -> list[float]:
     import torch
+    from plan_validation import distributed_gpt2
 
-    torch.manual_seed(0)
-    with smp.tensor_parallelism(smp.tp_size() > 1):
-        model = smp.DistributedModel(build_gpt2())
-    strategy = layout.get("activation_checkpointing", "none")
-    if strategy != "none":
-        smp.set_activation_checkpointing(model.get_module().transformer.h, strategy=strategy)
+    model = distributed_gpt2(smp, layout, build_gpt2)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
 
     @smp.step

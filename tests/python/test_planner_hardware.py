@@ -123,7 +123,7 @@ def test_a_bad_hardware_file_is_a_clear_error(tmp_path, changes, message):
 def test_a_file_that_is_not_json(tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text("{nope")
-    with pytest.raises(ValueError, match="is not valid JSON .*fix the file"):
+    with pytest.raises(ValueError, match="is not valid JSON .*give a JSON object of the fields"):
         hardware.load(str(path))
 
 

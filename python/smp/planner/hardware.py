@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from smp.planner.hardware_presets import DEFAULT, PRESETS
+from smp.planner.json_file import read_object
 from smp.planner.units import parse_memory
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -96,19 +96,8 @@ def load(spec: str | Mapping[str, Any] | Hardware | None) -> Hardware:
 
 
 def _read(path: str) -> Mapping[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(
-            f"smp.plan: cannot read the hardware file {path!r} ({e.strerror}); give a JSON file's path "
-            f"or a preset: {', '.join(PRESETS)}"
-        ) from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"smp.plan: the hardware file {path!r} is not valid JSON ({e}); fix the file") from e
-    if not isinstance(data, Mapping):
-        raise ValueError(f"smp.plan: the hardware file {path!r} must hold a JSON object with the fields")
-    return data
+    fix = f"give a JSON object of the fields (docs/planner.md, 'Hardware') or a preset: {', '.join(PRESETS)}"
+    return read_object(path, "the hardware file", fix)
 
 
 def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:

@@ -24,9 +24,10 @@ nn.Modules get measured counts instead: see measured_facts.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from smp.planner.json_file import read_object
 
 _GATED_ACTIVATIONS = ("silu", "swish", "swiglu", "geglu")
 # ATen operations a transformer layer's forward dispatches in eager PyTorch (views included),
@@ -148,20 +149,7 @@ class ModelFacts:
 
 def load_hf_config(path: str) -> dict[str, Any]:
     """A config.json as a dict, with a clear error for a missing or malformed file."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except OSError as e:
-        raise ValueError(
-            f"smp.plan: cannot read the model config {path!r} ({e.strerror}); pass a config.json"
-        ) from e
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"smp.plan: {path!r} is not valid JSON ({e}); pass a Hugging Face config.json"
-        ) from e
-    if not isinstance(config, dict):
-        raise ValueError(f"smp.plan: {path!r} must hold a JSON object (a Hugging Face config)")
-    return config
+    return read_object(path, "the model config", "pass a Hugging Face config.json")
 
 
 def _first(config: Mapping[str, Any], keys: tuple[str, ...], what: str, default: Any = ...) -> Any:
