@@ -304,15 +304,18 @@ def main() -> None:
         "steps\n"
     )
     print(
-        "| layout | measured ms | predicted ms | predicted / measured (median; per round) | predicted split |"
+        "| layout | measured ms (median) | predicted ms | predicted / measured (median; per round) | "
+        "fastest step ms | predicted on the fastest figures | ratio | predicted split |"
     )
-    print("|---|---:|---:|---|---|")
+    print("|---|---:|---:|---|---:|---:|---:|---|")
     for name, row in rows.items():
         ratios = ", ".join(f"{x:.2f}" for x in row["ratio"])
+        fast, fast_predicted = row["best"]
         print(
             f"| {name} | {statistics.median(row['measured']) * 1e3:.0f} | "
             f"{statistics.median(row['predicted']) * 1e3:.0f} | {statistics.median(row['ratio']):.3f} "
-            f"({ratios}) | {row['split']} |"
+            f"({ratios}) | {fast * 1e3:.0f} | {fast_predicted * 1e3:.0f} | {fast_predicted / fast:.3f} | "
+            f"{row['split']} |"
         )
 
 
