@@ -68,13 +68,20 @@ def measure_layouts(rank: int, world_size: int, layouts=LAYOUTS) -> list[dict]:
     return results
 
 
-def _train_and_measure(smp, layout: dict) -> dict:
+def distributed_gpt2(smp, layout: dict, build=build_gpt2):
+    """A Hugging Face GPT-2 from `build` as smp runs it in `layout` (built under tensor parallelism
+    where tp > 1; the layout's "activation_checkpointing" applied to its blocks)."""
     torch.manual_seed(0)
     with smp.tensor_parallelism(smp.tp_size() > 1):
-        model = smp.DistributedModel(build_gpt2())
+        model = smp.DistributedModel(build())
     strategy = layout.get("activation_checkpointing", "none")
     if strategy != "none":
         smp.set_activation_checkpointing(model.get_module().transformer.h, strategy=strategy)
+    return model
+
+
+def _train_and_measure(smp, layout: dict) -> dict:
+    model = distributed_gpt2(smp, layout)
     model.track_saved_activations()
     # smp's meter counts what its pipeline stages save; a model run whole (no pipeline, no TP)
     # has no stage, so the same meter class is wrapped around the call there.

@@ -94,19 +94,19 @@ def test_reference_rows_fit_smps_own_buffers(row):
     assert grads < params / 2 if REFERENCE[row][3].get("microbatches", 1) == 1 else grads > params
 
 
-def test_the_walk_stops_at_the_first_step_that_fits():
+def test_the_seeds_first_fit_follows_its_order():
     """The seed's order: sharded state and checkpointing before tensor parallelism. With sharded
     gradients at one microbatch the 10B job fits data-parallel in 40 GiB; in 24 GiB it takes tp2."""
     job = _job("10B")
-    recommended = smp.plan(**job, precision="fp16").recommended
-    assert recommended == {
-        **recommended,
+    first = smp.plan(**job, precision="fp16").first_fit.layout.smp_config()
+    assert first == {
+        **first,
         "tensor_parallel_degree": 1,
         "pipeline_parallel_degree": 1,
         "shard_optimizer_state": True,
         "activation_checkpointing": "each",
     }
-    smaller = smp.plan(**(job | {"gpu_memory": "24GiB"}), precision="fp16").recommended
+    smaller = smp.plan(**(job | {"gpu_memory": "24GiB"}), precision="fp16").first_fit.layout.smp_config()
     assert smaller == {**smaller, "tensor_parallel_degree": 2, "shard_optimizer_state": True}
 
 
@@ -159,9 +159,12 @@ def test_obviously_too_large_does_not_fit(runtime):
 @pytest.mark.parametrize("row", sorted(REFERENCE))
 def test_recommendation_fits_and_follows_the_seeds_order(row, runtime):
     result = smp.plan(**_job(row), precision="fp16", runtime=runtime)
-    chosen = result.recommended_candidate
-    assert chosen is not None and chosen.fits and chosen is result.candidates[-1]  # the walk stops there
-    config = result.recommended
+    chosen, first = result.recommended_candidate, result.first_fit
+    fits = [c for c in result.candidates if c.fits]
+    assert chosen is not None and chosen.fits and first is fits[0]
+    assert chosen.time.total == min(c.time.total for c in fits)  # the fastest of those that fit
+    assert result.speedup == first.time.total / chosen.time.total >= 1.0
+    config = first.layout.smp_config()
     tp = config["tensor_parallel_degree"]
     assert tp & (tp - 1) == 0 and tp <= 8  # a power of two within a node
     # The list's order: sharding before checkpointing before TP before PP; each kept once taken.
@@ -175,7 +178,8 @@ def test_recommendation_fits_and_follows_the_seeds_order(row, runtime):
     assert config["shard_optimizer_state"] and config["activation_checkpointing"] == "each"
     assert config["prescaled_batch"] == (tp > 1)
     # A ready config: smp.init accepts it (less the checkpointing strategy, applied by a call).
-    smp_config.parse({k: v for k, v in config.items() if k != "activation_checkpointing"})
+    for ready in (config, result.recommended):
+        smp_config.parse({k: v for k, v in ready.items() if k != "activation_checkpointing"})
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
@@ -199,10 +203,25 @@ def test_json_shapes(config_json):
     code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--gpu-memory", "40GiB", "--json")
     assert code == 0
     walked = json.loads(out)
-    assert set(walked) == {"recommended", "candidates"}
-    assert walked["recommended"] == walked["candidates"][-1]["config"]
+    assert set(walked) == {"recommended", "first_fit", "speedup_over_first_fit", "hardware", "candidates"}
+    fits = [c for c in walked["candidates"] if c["fits"]]
+    fastest = min(fits, key=lambda c: c["step_time"]["seconds"])
+    assert walked["recommended"] == fastest["config"] and walked["first_fit"] == fits[0]["config"]
+    assert walked["speedup_over_first_fit"] == pytest.approx(
+        fits[0]["step_time"]["seconds"] / fastest["step_time"]["seconds"], rel=2e-3
+    )
     for c in walked["candidates"]:
-        assert {"step", "config", "memory_gib", "fits", "reason", "breakdown", "step_time"} <= set(c)
+        assert {
+            "step",
+            "config",
+            "memory_gib",
+            "fits",
+            "reason",
+            "breakdown",
+            "step_time",
+            "throughput",
+        } <= set(c)
+        assert {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"} == set(c["throughput"])
         assert {
             "parameters_gib",
             "gradients_gib",
@@ -215,7 +234,14 @@ def test_json_shapes(config_json):
     code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--layout", layout, "--json")
     evaluated = json.loads(out)
     assert set(evaluated) == {"evaluated"}
-    assert set(evaluated["evaluated"]) == {"config", "memory_gib", "fits", "breakdown"}
+    assert set(evaluated["evaluated"]) == {
+        "config",
+        "memory_gib",
+        "fits",
+        "breakdown",
+        "step_time",
+        "throughput",
+    }
     assert evaluated["evaluated"]["config"]["activation_checkpointing"] == "group_2"
     assert isinstance(evaluated["evaluated"]["fits"], bool)
 
@@ -225,7 +251,8 @@ def test_table_output(config_json):
     # layers fit one GPU (test_planner_sdp.py); smp's sdp does not run fp16, which takes tp 2.
     code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--gpu-memory", "24GiB")
     assert code == 0
-    assert "recommended: {" in out and "4. sharded data parallelism 16: fits" in out and "does not fit" in out
+    assert "recommended (the fastest that fits): " in out and "  config: {" in out
+    assert "4. sharded data parallelism 16: fits" in out and "does not fit" in out
     code, out, _ = _cli("--model", config_json, *JOB_ARGS, "--gpu-memory", "24GiB", "--precision", "fp16")
     assert code == 0 and "4. tensor parallelism 2: fits" in out
 
@@ -238,11 +265,12 @@ def test_python_dash_m_and_the_function_share_the_name(config_json, monkeypatch,
         warnings.simplefilter("ignore", RuntimeWarning)  # smp.plan may already be imported
         runpy.run_module("smp.plan", run_name="__main__", alter_sys=True)
     assert done.value.code == 0
-    assert json.loads(capsys.readouterr().out)["recommended"]["sharded_data_parallel_degree"] == 16
+    by_module = json.loads(capsys.readouterr().out)
+    assert by_module["first_fit"]["sharded_data_parallel_degree"] == 16
     import smp.plan  # noqa: F401  (rebinds the attribute smp.plan to the module: still callable)
 
     result = smp.plan(config_json, seq_len=512, global_batch=1280, gpus=128, gpu_memory="24GiB")
-    assert result.recommended["sharded_data_parallel_degree"] == 16
+    assert result.first_fit.layout.sdp == 16 and result.recommended == by_module["recommended"]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import smp
-from smp.planner import memory, model_facts, step_time
+from smp.planner import hardware, memory, model_facts, step_time
 from smp.planner.layout import Layout, from_config
 from smp.planner.walk import sdp_degrees
 from test_plan import _cli
@@ -27,7 +27,29 @@ TINY = {
     "activation_function": "gelu_new",
 }
 LAYER, ROOT, TOTAL = 49984, 72192 + 128, 272256
-NVLINK = 150e9
+# Round figures, nothing lost to efficiency or latency, communication not overlapped: traffic by
+# hand. 100 GB/s inside a node, 10 GB/s of network per GPU.
+NVLINK, NETWORK = 100e9, 10e9
+HAND = {
+    "description": "round figures for hand counts",
+    "peak_tflops": {"bf16": 100, "fp16": 100, "fp32": 10},
+    "matmul_efficiency": 1.0,
+    "compute_units": 1,
+    "matmul_tiles": [[1, 1]],
+    "memory": "80GiB",
+    "memory_bandwidth_gbps": 1000,
+    "memory_efficiency": 1.0,
+    "gpus_per_node": 8,
+    "intra_node_gbps": 100,
+    "inter_node_gbps": 10,
+    "link_efficiency": 1.0,
+    "collective_latency_us": 0,
+    "intra_node_step_latency_us": 0,
+    "inter_node_step_latency_us": 0,
+    "kernel_overhead_us": 0,
+    "sustained_fraction": 1.0,
+    "overlap": False,
+}
 
 
 def _tiny():
@@ -36,7 +58,12 @@ def _tiny():
 
 def _job(gpus: int, per_node: int = 8) -> memory.Workload:
     return memory.Workload(
-        seq_len=128, global_batch=gpus, gpus=gpus, gpus_per_node=per_node, gpu_memory=80 * 2**30
+        seq_len=128,
+        global_batch=gpus,
+        gpus=gpus,
+        gpus_per_node=per_node,
+        gpu_memory=80 * 2**30,
+        hardware=hardware.load(HAND),
     )
 
 
@@ -121,9 +148,9 @@ def test_sdp_traffic_by_hand():
     assert plain.sdp_comm == 0 and plain.dp_comm == pytest.approx(2 * 7 / 8 * 4 * TOTAL / NVLINK)
     bf16 = step_time.estimate(facts, Layout(rdp=8, sdp=2, bf16=True), job)
     assert bf16.sdp_comm == pytest.approx(0.5 * (gathered / 2 + reduced) / NVLINK)
-    # A group of 16 on nodes of 8 crosses them: EFA's 50 GB/s per node, shared by its 8 GPUs.
+    # A group of 16 on nodes of 8 crosses them: its 8 GPUs of a node share their 8 adapters.
     across = step_time.estimate(facts, Layout(rdp=16, sdp=16), _job(16))
-    assert across.sdp_comm == pytest.approx(15 / 16 * 2977792 / (50e9 / 8))
+    assert across.sdp_comm == pytest.approx(15 / 16 * 2977792 / (8 * NETWORK))
 
 
 def test_degrees_inside_a_node_come_first():
@@ -142,7 +169,7 @@ TEN_B_JOB = {"seq_len": 512, "global_batch": 1280, "gpus": 128, "gpus_per_node":
 
 def test_the_walk_tries_sdp_before_tensor_and_pipeline_parallelism():
     result = smp.plan(TEN_B, **TEN_B_JOB, precision="bf16")
-    config = result.recommended
+    config = result.first_fit.layout.smp_config()
     assert config == {
         **config,
         "sharded_data_parallel_degree": 16,  # 8 (a node) is not enough: 30.7 GiB
@@ -151,14 +178,17 @@ def test_the_walk_tries_sdp_before_tensor_and_pipeline_parallelism():
         "pipeline_parallel_degree": 1,
         "activation_checkpointing": "each",
     }
-    assert all(c.layout.tp == c.layout.pp == 1 for c in result.candidates)  # neither was needed
-    tried = [c.step for c in result.candidates if c.layout.sdp > 1]
-    assert tried == [f"4. sharded data parallelism {n}" for n in (2, 4, 8, 16)]  # smallest first
-    assert not result.candidates[-2].fits and result.candidates[-1] is result.recommended_candidate
+    sdp = [c for c in result.candidates if c.layout.sdp > 1 and c.layout.tp == 1]
+    # Every degree, smallest first; 16 the first that fits, before any TP or PP layout.
+    assert [c.step for c in sdp] == [f"4. sharded data parallelism {n}" for n in (2, 4, 8, 16, 32, 64, 128)]
+    assert [c.fits for c in sdp] == [False, False, False, True, True, True, True]
+    assert result.candidates.index(result.first_fit) < min(
+        i for i, c in enumerate(result.candidates) if c.layout.tp > 1 or c.layout.pp > 1
+    )
     # The same job in fp16, which smp's sdp does not run: tensor parallelism, and a note why.
     fp16 = smp.plan(TEN_B, **TEN_B_JOB, precision="fp16")
-    assert fp16.recommended["tensor_parallel_degree"] == 2
-    assert fp16.recommended["sharded_data_parallel_degree"] == 1
+    assert fp16.first_fit.layout.tp == 2
+    assert all(c.layout.sdp == 1 for c in fp16.candidates)
     assert any("sharded data parallelism: skipped" in n and "not fp16" in n for n in fp16.notes)
 
 
@@ -172,15 +202,18 @@ def test_layers_that_do_not_fit_one_gpu_take_tensor_parallelism_then_sdp_before_
     result = smp.plan(WIDE, **WIDE_JOB)
     notes = "\n".join(result.notes)
     assert "sharded data parallelism: skipped, the layers themselves do not fit one GPU: even sdp=64" in notes
-    config = result.recommended
+    config = result.first_fit.layout.smp_config()
     assert config == {
         **config,
         "tensor_parallel_degree": 8,
         "sharded_data_parallel_degree": 8,
         "pipeline_parallel_degree": 1,
     }
-    assert [c.layout.sdp for c in result.candidates if c.layout.tp == 8] == [1, 2, 4, 8]
-    assert not any(c.layout.pp > 1 for c in result.candidates)
+    tp8 = [c.layout.sdp for c in result.candidates if c.layout.tp == 8 and c.layout.pp == 1]
+    assert tp8 == [1, 2, 4, 8]
+    assert result.candidates.index(result.first_fit) < min(
+        i for i, c in enumerate(result.candidates) if c.layout.pp > 1
+    )
     both = {"tensor_parallel_degree": 8, "sharded_data_parallel_degree": 8}
     evaluated = smp.plan(WIDE, **WIDE_JOB, layout=both)
     assert evaluated.evaluated.layout.sdp == 8
@@ -245,10 +278,10 @@ def test_the_report_prints_the_sdp_degree(ten_b_json):
     assert code == 0
     assert "pp=1, tp=1, rdp=128, sdp=16, checkpoint each" in out
     assert "4. sharded data parallelism 16: fits" in out
-    assert "'sharded_data_parallel_degree': 16" in out
     code, out, _ = _cli("--model", ten_b_json, *ARGS, "--json")
-    chosen = json.loads(out)["candidates"][-1]
-    assert chosen["config"]["sharded_data_parallel_degree"] == 16
+    walked = json.loads(out)
+    assert walked["first_fit"]["sharded_data_parallel_degree"] == 16
+    chosen = next(c for c in walked["candidates"] if c["config"] == walked["first_fit"])
     assert chosen["breakdown"]["gathered_gib"] > 0 and chosen["step_time"]["sdp_comm_s"] > 0
     layout = json.dumps({"sharded_data_parallel_degree": 16, "bf16": True})
     code, out, _ = _cli("--model", ten_b_json, *ARGS, "--layout", layout, "--json")

@@ -2,9 +2,10 @@
 
 It walks the Best Practices seed's list in order (walk.py) over a model's counts (model_facts.py
 from a Hugging Face config, measured_facts.py from a real module), estimating each layout's
-memory per GPU (memory.py) and relative step time (step_time.py), and stops at the first layout
-that fits. The package is `smp.planner` so that `smp.plan` can be the function; `smp/plan.py`
-is the command line's entry point.
+memory per GPU (memory.py) and its step time on the hardware described (hardware.py,
+step_time.py), and recommends the fastest layout that fits. `scan.py` plans one job over several
+cluster sizes. The package is `smp.planner` so that `smp.plan` can be the function;
+`smp/plan.py` is the command line's entry point.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from torch import nn
 
+from smp.planner import hardware as hardware_
 from smp.planner import memory, model_facts
+from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout, from_config
 from smp.planner.report import PlanResult
 from smp.planner.units import parse_memory
@@ -22,7 +25,7 @@ from smp.planner.walk import evaluate, walk
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
-__all__ = ["Layout", "PlanResult", "plan"]
+__all__ = ["Hardware", "Layout", "PlanResult", "plan"]
 
 
 def plan(
@@ -30,36 +33,55 @@ def plan(
     seq_len: int,
     global_batch: int,
     gpus: int,
-    gpus_per_node: int = 8,
-    gpu_memory: str | int = "40GiB",
+    gpus_per_node: int | None = None,
+    gpu_memory: str | int | None = None,
     layout: Mapping[str, Any] | None = None,
     precision: str = "bf16",
     runtime: str = "smp",
+    hardware: str | Mapping[str, Any] | Hardware | None = None,
 ) -> PlanResult:
     """Plans (or, with `layout`, evaluates) a layout for training `model`.
 
     model: a Hugging Face config (a path to config.json, a dict, or a PretrainedConfig), or an
         nn.Module or a function that builds one (its counts are then measured, see measured_facts).
     seq_len, global_batch: tokens per sample; samples per optimizer step over every GPU.
-    gpus, gpus_per_node, gpu_memory: the job; gpu_memory as "40GiB", "80GB" or bytes.
+    gpus, gpus_per_node, gpu_memory: the job; gpu_memory as "40GiB", "80GB" or bytes (both default
+        to the hardware's).
     layout: an smp config plus "activation_checkpointing" ("none", "each", "group_N"): evaluate it.
     precision: "bf16", "fp16" or "fp32" for the walk; a `layout` is read as smp.init reads it
         (fp32 unless it sets "fp16" or "bf16").
     runtime: "smp" (this library's buffers) or "smp_v1" (SMP v1's, which the seed's table measured).
+    hardware: a preset's name ("a100-40gb", the default: the seed's ml.p4d.24xlarge; "a100-80gb",
+        "h100-sxm", "h200"), a JSON file's path or a dict of its fields (docs/planner.md), or a
+        Hardware: what the step time is computed on.
     """
-    workload = _workload(seq_len, global_batch, gpus, gpus_per_node, gpu_memory)
-    if precision not in PRECISIONS:
-        raise ValueError(f"smp.plan: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if runtime not in memory.RUNTIMES:
-        raise ValueError(f"smp.plan: runtime {runtime!r} is not one of {', '.join(memory.RUNTIMES)}")
-    facts = _facts(model, seq_len)
+    workload = make_workload(seq_len, global_batch, gpus, gpus_per_node, gpu_memory, hardware)
+    check_choices(precision, runtime)
+    return plan_job(facts_of(model, seq_len), workload, layout, precision, runtime)
+
+
+def plan_job(
+    facts: model_facts.ModelFacts,
+    workload: memory.Workload,
+    layout: Mapping[str, Any] | None = None,
+    precision: str = "bf16",
+    runtime: str = "smp",
+) -> PlanResult:
+    """`plan` over counts and a job already built (scan.py plans one model on many jobs)."""
     chosen = memory.RUNTIMES[runtime]
     if layout is not None:
-        candidate = from_config(layout, gpus)
+        candidate = from_config(layout, workload.gpus)
         _check_tp(candidate, facts)
         return PlanResult(facts, workload, runtime, evaluated=evaluate(facts, candidate, workload, chosen))
     done = walk(facts, workload, chosen, precision)
     return PlanResult(facts, workload, runtime, tuple(done.candidates), tuple(done.notes))
+
+
+def check_choices(precision: str, runtime: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"smp.plan: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if runtime not in memory.RUNTIMES:
+        raise ValueError(f"smp.plan: runtime {runtime!r} is not one of {', '.join(memory.RUNTIMES)}")
 
 
 def _positive(name: str, value: Any) -> int:
@@ -68,23 +90,26 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def _workload(seq_len, global_batch, gpus, gpus_per_node, gpu_memory) -> memory.Workload:
+def make_workload(
+    seq_len, global_batch, gpus, gpus_per_node=None, gpu_memory=None, hardware=None
+) -> memory.Workload:
+    """The job, checked: every mistake a ValueError naming the value and the fix."""
+    hw = hardware_.load(hardware)
     gpus = _positive("gpus", gpus)
-    per_node = _positive("gpus_per_node", gpus_per_node)
-    if gpus > per_node and gpus % per_node:
-        raise ValueError(
-            f"smp.plan: {gpus} GPUs do not fill nodes of {per_node}; give a multiple of gpus_per_node"
-        )
+    if gpus_per_node is not None:
+        _positive("gpus_per_node", gpus_per_node)
+    per_node = hardware_.check_nodes(hw, gpus, gpus_per_node)
     return memory.Workload(
         seq_len=_positive("seq_len", seq_len),
         global_batch=_positive("global_batch", global_batch),
         gpus=gpus,
         gpus_per_node=per_node,
-        gpu_memory=parse_memory(gpu_memory),
+        gpu_memory=hw.memory if gpu_memory is None else parse_memory(gpu_memory),
+        hardware=hw,
     )
 
 
-def _facts(model, seq_len: int) -> model_facts.ModelFacts:
+def facts_of(model, seq_len: int) -> model_facts.ModelFacts:
     if isinstance(model, str):
         return model_facts.from_hf_config(model_facts.load_hf_config(model), seq_len)
     if isinstance(model, Mapping):

@@ -30,7 +30,7 @@ class Layout:
     checkpointing: str = "none"  # none, each, group_N (of the layer list)
     prescaled_batch: bool = False
     microbatches: int = 1
-    active_microbatches: int | None = None  # None: smp's default, min(pp + 2, microbatches)
+    active_microbatches: int | None = None  # None: smp's default (Config.num_active_microbatches)
     pipeline: str = "interleaved"
     fp16: bool = False
     bf16: bool = False
@@ -51,9 +51,13 @@ class Layout:
 
     @property
     def active(self) -> int:
-        if self.active_microbatches is not None:
-            return self.active_microbatches
-        return min(self.pp + 2, self.microbatches)
+        """The microbatches in flight: smp's own default where the layout leaves it open."""
+        config = smp_config.Config(
+            pipeline_parallel_degree=self.pp,
+            microbatches=self.microbatches,
+            active_microbatches=self.active_microbatches,
+        )
+        return config.num_active_microbatches
 
     @property
     def half(self) -> bool:

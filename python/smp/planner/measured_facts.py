@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from smp.planner.model_facts import ModelFacts, Params, Saved
+from smp.planner.model_facts import Matmul, ModelFacts, Params, Saved
 
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "heads")
 _KV_KEYS = ("num_key_value_heads", "n_kv_heads", "kv_heads", "num_kv_heads")
@@ -73,6 +74,13 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
         logits_elements=seq_len * vocab,
         layer_flops_per_token=2 * layer_params.total + 4 * seq_len * hidden,
         head_flops_per_token=2 * vocab * hidden,
+        # The layer's matrices taken as one [hidden, n] matrix of the same size (its FLOPs are
+        # exact; its shape, for the step time's tile waves, approximate).
+        matmuls=(Matmul(hidden, max(1, layer_params.sharded // hidden), "n"),),
+        head_dim=hidden // heads,
+        eager_attention=run.scores_saved,
+        layer_ops=run.layer_ops // n,
+        layer_traffic=run.layer_traffic / n,
     )
 
 
@@ -124,6 +132,10 @@ class _Recorder:
         self.part = "before"
         self.saved = {"before": Saved(), "layer": Saved(), "after": Saved()}
         self.layer_input = Saved()
+        self.scores_saved = False  # a layer saved a [.., seq, seq] tensor: eager attention
+        self.layer_ops = 0  # ATen operations the layers dispatched
+        self.layer_traffic = 0  # bytes their elementwise operations read and wrote
+        self.seq_len = 0
         self.params: dict[str, list[nn.Parameter]] = {"before": [], "after": []}
         self._seen: set[int] = set()
         # The fake tensors the forward will meet for the parameters (the mode memoizes them).
@@ -131,6 +143,7 @@ class _Recorder:
         self._layer_modules = {id(m) for m in layers.modules()}
 
     def forward(self, seq_len: int, vocab: int) -> None:
+        self.seq_len = seq_len
         handles = []
         for layer in self.layers:
             handles.append(layer.register_forward_pre_hook(self._enter_layer))
@@ -141,7 +154,7 @@ class _Recorder:
         try:
             with self.mode, _training(self.module):
                 ids = self.mode.from_tensor(torch.zeros(1, seq_len, dtype=torch.long))
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x):
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x), _OpCounter(self):
                     self._loss(ids, vocab)
         finally:
             for h in handles:
@@ -172,7 +185,53 @@ class _Recorder:
         if key not in self._param_storages and key not in self._seen:
             self._seen.add(key)
             self.saved[self.part] = self.saved[self.part] + _classify(tensor, self.hidden)
+            square = tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] == self.seq_len
+            self.scores_saved |= self.part == "layer" and square
         return tensor
+
+
+# Operations whose time the step-time model counts as matmuls (stage_work.py), not memory traffic.
+_MATMULS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operations dispatched while a layer runs, and the bytes those that are
+    neither views nor matmuls read and write (above the fake mode: each call goes on to it)."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.recorder.part == "layer" and func.namespace == "aten":  # not prim's device queries
+            self.recorder.layer_ops += 1
+            if not func.is_view and func.overloadpacket.__name__ not in _MATMULS:
+                tensors = [*_tensors(args), *_tensors((kwargs or {}).values()), *_tensors([out])]
+                self.recorder.layer_traffic += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += _tensors(v)
+    return found
 
 
 def _key(tensor: torch.Tensor) -> int:

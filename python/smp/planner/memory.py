@@ -40,6 +40,7 @@ import dataclasses
 import math
 
 from smp import schedules
+from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
@@ -80,6 +81,7 @@ class Workload:
     gpus: int
     gpus_per_node: int
     gpu_memory: int  # bytes
+    hardware: Hardware | None = None  # the step time's figures (None: hardware.DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,11 +24,17 @@ nn.Modules get measured counts instead: see measured_facts.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from smp.planner.json_file import read_object
+
 _GATED_ACTIVATIONS = ("silu", "swish", "swiglu", "geglu")
+# ATen operations a transformer layer's forward dispatches in eager PyTorch (views included),
+# counted with a dispatch mode on Hugging Face blocks: GPT-2 41, Llama 77; dropout adds about
+# 35 (GPT-2 with its three dropouts: 76). measured_facts.py counts a module's own.
+LAYER_OPS = 60
+DROPOUT_OPS = 35
 # [intermediate]-sized tensors an activation function saves (its input included). Fused ones
 # (gelu, relu, silu, gelu_pytorch_tanh) save their input; transformers' "gelu_new" is a Python
 # formula (x * (1 + tanh(...))) whose autograd saves four (measured with measured_facts on GPT-2).
@@ -84,6 +90,21 @@ class Params:
 
 
 @dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One of a layer's weight matrices as a token batch multiplies it: [tokens, k] x [k, n].
+    Tensor parallelism cuts `n` (column-parallel: q/k/v, the MLP's first matrices) or `k`
+    (row-parallel: the attention output, the MLP's last)."""
+
+    k: int
+    n: int
+    cut: str  # "n" or "k"
+
+    def per_rank(self, tp: int) -> tuple[int, int]:
+        """(k, n) on one tensor-parallel rank."""
+        return (self.k, self.n // tp) if self.cut == "n" else (self.k // tp, self.n)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFacts:
     source: str  # where the counts come from, for the report
     seq_len: int
@@ -110,6 +131,16 @@ class ModelFacts:
     # Forward FLOPs per token: one layer, and the head (the embedding is a lookup).
     layer_flops_per_token: float
     head_flops_per_token: float
+    # For the step time (step_time.py): a layer's matrices, the attention's head size, and
+    # whether attention materializes its [seq, seq] scores (eager) or is fused (sdpa, flash).
+    matmuls: tuple[Matmul, ...] = ()
+    head_dim: int = 0
+    eager_attention: bool = False
+    layer_ops: int = 0  # ATen operations one layer's forward dispatches (each a kernel)
+    # Bytes a layer's forward elementwise operations (neither matmuls nor views) read and write per
+    # sample, in the module's dtype (4-byte floats), where measured on a module (0: estimated from
+    # the saved activations, stage_work.py).
+    layer_traffic: float = 0.0
 
     @property
     def parameters(self) -> int:
@@ -118,20 +149,7 @@ class ModelFacts:
 
 def load_hf_config(path: str) -> dict[str, Any]:
     """A config.json as a dict, with a clear error for a missing or malformed file."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except OSError as e:
-        raise ValueError(
-            f"smp.plan: cannot read the model config {path!r} ({e.strerror}); pass a config.json"
-        ) from e
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"smp.plan: {path!r} is not valid JSON ({e}); pass a Hugging Face config.json"
-        ) from e
-    if not isinstance(config, dict):
-        raise ValueError(f"smp.plan: {path!r} must hold a JSON object (a Hugging Face config)")
-    return config
+    return read_object(path, "the model config", "pass a Hugging Face config.json")
 
 
 def _first(config: Mapping[str, Any], keys: tuple[str, ...], what: str, default: Any = ...) -> Any:
@@ -253,6 +271,21 @@ def from_hf_config(config: Mapping[str, Any], seq_len: int) -> ModelFacts:
         logits_elements=seq_len * s.vocab,
         layer_flops_per_token=2 * (attn + mlp) + 4 * seq_len * q,  # matmuls, then scores and context
         head_flops_per_token=2 * embedding,
+        matmuls=_matmuls(s),
+        head_dim=hd,
+        eager_attention=s.eager_attention,
+        layer_ops=LAYER_OPS + (DROPOUT_OPS if s.dropout else 0),
+    )
+
+
+def _matmuls(s: _Shape) -> tuple[Matmul, ...]:
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    first = (2 if s.gated else 1) * s.intermediate  # gate and up side by side, or the one matrix
+    return (
+        Matmul(s.hidden, q + 2 * kv, "n"),
+        Matmul(q, s.hidden, "k"),
+        Matmul(s.hidden, first, "n"),
+        Matmul(s.intermediate, s.hidden, "k"),
     )
 
 
@@ -271,7 +304,9 @@ def _saved_layer(s: _Shape, seq: int) -> Saved:
     sharded_bytes = 4 * s.heads  # fp32 log-sum-exp per head
     if s.eager_attention:
         sharded += s.heads * seq  # the softmax output
-        sharded_bytes += s.heads * seq if s.dropout else 0
+        if s.dropout:  # its mask, and the dropped-out probabilities the context matmul saves
+            sharded_bytes += s.heads * seq
+            sharded += s.heads * seq
     replicated_bytes = 2 * h if s.dropout else 0  # residual dropout masks (one byte each)
     return Saved(seq * replicated, seq * sharded, seq * replicated_bytes, seq * sharded_bytes)
 

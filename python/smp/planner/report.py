@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from smp.planner import memory
+from smp.planner import memory, step_time
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB, gib
-from smp.planner.walk import Candidate
+from smp.planner.walk import Candidate, fastest_fit, first_fit
 
 _PARTS = (
     "parameters",
@@ -37,8 +37,25 @@ def breakdown_json(b: memory.Breakdown) -> dict[str, Any]:
     return out
 
 
+def step_time_json(t: step_time.StepTime) -> dict[str, Any]:
+    out: dict[str, Any] = {"seconds": _round(t.total), "relative": round(t.relative, 3)}
+    out.update({f"{part}_s": _round(seconds) for part, seconds in t.parts().items()})
+    return out
+
+
+def throughput_json(t: step_time.StepTime) -> dict[str, Any]:
+    return {
+        "tokens_per_s_per_gpu": round(t.tokens_per_second_per_gpu, 1),
+        "tflops_per_gpu": round(t.tflops_per_gpu, 2),
+        "mfu": round(t.mfu, 4),
+    }
+
+
+def _round(seconds: float) -> float:
+    return float(f"{seconds:.4g}")
+
+
 def candidate_json(c: Candidate) -> dict[str, Any]:
-    t = c.time
     return {
         "step": c.step,
         "config": c.layout.smp_config(),
@@ -46,16 +63,8 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "fits": c.fits,
         "reason": c.reason,
         "breakdown": breakdown_json(c.breakdown),
-        "step_time": {
-            "relative": round(t.relative, 3),
-            "seconds": round(t.total, 4),
-            "compute_s": round(t.compute, 4),
-            "bubble_s": round(t.bubble, 4),
-            "tp_comm_s": round(t.tp_comm, 4),
-            "pp_comm_s": round(t.pp_comm, 4),
-            "dp_comm_s": round(t.dp_comm, 4),
-            "sdp_comm_s": round(t.sdp_comm, 4),
-        },
+        "step_time": step_time_json(c.time),
+        "throughput": throughput_json(c.time),
     }
 
 
@@ -73,7 +82,19 @@ class PlanResult:
 
     @property
     def recommended_candidate(self) -> Candidate | None:
-        return next((c for c in self.candidates if c.fits), None)
+        """The fastest layout that fits."""
+        return fastest_fit(self.candidates)
+
+    @property
+    def first_fit(self) -> Candidate | None:
+        """The Best Practices seed's answer: the first layout in its order that fits."""
+        return first_fit(self.candidates)
+
+    @property
+    def speedup(self) -> float | None:
+        """How much faster the recommendation's step is than the seed's first fit's."""
+        best, first = self.recommended_candidate, self.first_fit
+        return first.time.total / best.time.total if best and first else None
 
     @property
     def recommended(self) -> dict[str, Any] | None:
@@ -89,43 +110,78 @@ class PlanResult:
                     "memory_gib": gib(e.breakdown.peak),
                     "fits": e.fits,
                     "breakdown": breakdown_json(e.breakdown),
+                    "step_time": step_time_json(e.time),
+                    "throughput": throughput_json(e.time),
                 }
             }
-        return {"recommended": self.recommended, "candidates": [candidate_json(c) for c in self.candidates]}
+        first = self.first_fit
+        return {
+            "recommended": self.recommended,
+            "first_fit": first.layout.smp_config() if first else None,
+            "speedup_over_first_fit": round(self.speedup, 3) if self.speedup else None,
+            "hardware": self.workload.hardware.name if self.workload.hardware else None,
+            "candidates": [candidate_json(c) for c in self.candidates],
+        }
 
     def table(self) -> str:
         w, f = self.workload, self.facts
+        hw = w.hardware
         lines = [
             f"model: {f.parameters / 1e9:.2f}B parameters, {f.layers} layers, hidden {f.hidden}, "
             f"{f.heads} heads, vocab {f.vocab} ({f.source})",
             f"job: {w.gpus} GPUs ({w.gpus_per_node} per node, {w.gpu_memory / GiB:.0f} GiB each), "
             f"global batch {w.global_batch}, sequence {w.seq_len}; memory model: {self.runtime}",
-            "",
-            _header(),
         ]
+        if hw is not None:
+            lines.append(f"hardware: {hw.name}: {hw.description}")
+        lines += ["", _header()]
         rows = [self.evaluated] if self.evaluated is not None else list(self.candidates)
         lines += [_row(c) for c in rows]
         lines.append("")
         lines += [f"  {c.step}: {c.reason}" for c in rows]
         lines += [f"  note: {n}" for n in self.notes]
-        if self.evaluated is None:
-            rec = self.recommended
-            lines.append("")
-            lines.append(f"recommended: {rec}" if rec else "recommended: none fits; see the reasons above")
+        lines.append("")
+        lines += self._conclusion()
         lines.append(
             "GiB per GPU on its fullest stage; margin = 1 GiB + 10% of the peak; work includes sdp's "
-            "gathered layers; time = step time over the ideal (assumptions: smp/planner/step_time.py)"
+            "gathered layers; step s, tokens/s and model TFLOP/s per GPU, MFU of the spec peak "
+            "(assumptions: smp/planner/step_time.py, figures: smp/planner/hardware_presets.py)"
         )
         return "\n".join(lines)
 
+    def _conclusion(self) -> list[str]:
+        if self.evaluated is not None:
+            return [f"where the time goes: {time_split(self.evaluated.time)}"]
+        best, first = self.recommended_candidate, self.first_fit
+        if best is None:
+            return ["recommended: none fits; see the reasons above"]
+        lines = [
+            f"recommended (the fastest that fits): {best.layout.describe()}: {best.time.total:.3g} s a step, "
+            f"{best.time.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {best.time.mfu:.1%}",
+            f"  {self.speedup:.2f}x the Best Practices order's first fit ({first.layout.describe()}, "
+            f"{first.time.total:.3g} s)",
+            f"  where the time goes: {time_split(best.time)}",
+            f"  config: {self.recommended}",
+        ]
+        return lines
+
+
+def time_split(t: step_time.StepTime) -> str:
+    """The step's parts as shares of it, largest first (those under 0.5% left out)."""
+    parts = sorted(t.parts().items(), key=lambda kv: -kv[1])
+    return ", ".join(
+        f"{name} {seconds / t.total:.0%}" for name, seconds in parts if seconds / t.total >= 0.005
+    )
+
 
 def _header() -> str:
-    cols = ("params", "grads", "optim", "activ", "work", "comm", "peak", "+margin", "fits", "time")
-    return f"{'layout':<72}" + "".join(f"{c:>8}" for c in cols)
+    cols = ("params", "grads", "optim", "activ", "work", "comm", "peak", "+margin", "fits")
+    speed = ("step s", "tok/s/GPU", "TFLOP/s", "MFU")
+    return f"{'layout':<84}" + "".join(f"{c:>8}" for c in cols) + "".join(f"{c:>10}" for c in speed)
 
 
 def _row(c: Candidate) -> str:
-    b = c.breakdown
+    b, t = c.breakdown, c.time
     cells = [
         b.parameters,
         b.gradients,
@@ -136,4 +192,5 @@ def _row(c: Candidate) -> str:
     ]
     cells += [b.peak, b.total]
     text = "".join(f"{x / GiB:>8.1f}" for x in cells)
-    return f"{c.layout.describe():<72}{text}{'yes' if c.fits else 'no':>8}{c.time.relative:>8.2f}"
+    speed = f"{t.total:>10.3g}{t.tokens_per_second_per_gpu:>10,.0f}{t.tflops_per_gpu:>10.1f}{t.mfu:>10.1%}"
+    return f"{c.layout.describe():<84}{text}{'yes' if c.fits else 'no':>8}{speed}"

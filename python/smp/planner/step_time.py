@@ -1,136 +1,266 @@
-"""A relative step time: how far a layout is from the ideal (the step's FLOPs spread evenly over
-every GPU with nothing else to do). Meant to rank layouts, not to predict seconds.
+"""The absolute time of one training step of a layout, on a Hardware, and where it goes.
 
-Stated assumptions (A100 p4d nodes, as in the seed's reference table):
-- a GPU sustains 125 TFLOP/s in bf16/fp16 (40% of its 312 peak), 8 times less in fp32;
-- backward costs two forwards; a checkpointed layer runs its forward once more;
-- the pipeline bubble: the most idle rank's idle time per unit of its work in the schedule's own
-  unit-time timeline (smp.schedules.unit_time_slots): (pp - 1) / microbatches for 1F1B
-  and GPipe, less for the zero-bubble schedules;
-- ring collectives move 2 (n - 1) / n of the buffer per rank; within a node at 150 GB/s per GPU
-  (NVLink, one direction), across nodes at 50 GB/s per node (EFA, 400 Gbps) shared by its GPUs;
-- tensor parallelism all-reduces each layer's output twice forward and twice backward;
-  pipeline stages send one activation per microbatch each way; data parallelism all-reduces
-  the fp32 gradients once a step; none of it overlaps with compute (an upper bound);
-- sharded data parallelism (sdp = N, FSDP2) replaces that all-reduce: per microbatch, each layer
-  is all-gathered in forward and again in backward (it was resharded) in the compute dtype and
-  its gradients reduce-scattered in fp32, the root unit gathered and reduce-scattered once; each
-  moves (N - 1) / N of the bytes per rank. With replicas of the sdp group (rdp > N), the fp32
-  gradient shards are all-reduced over the rdp / N replicas, per microbatch too (FSDP2 reduces
-  in every backward; the walk's sdp layouts have one microbatch: once a step). An sdp group is N
-  blocks of pp x tp consecutive ranks (topology.py): inside a node where that divides the node.
+A step is the pipeline's microbatches on the busiest pipeline rank, its bubble, the exposed part
+of the data-parallel traffic, and the optimizer:
+
+- per microbatch (stage_work.py): the rank's matmuls, memory-bound kernels and tensor-parallel
+  collectives, forward and backward (a checkpointed layer's forward once more), plus adding the
+  microbatch's gradients into the kept ones (runtime_costs.py) and the pipeline messages (the
+  activation forward, its gradient backward; for each model chunk of the rank under Megatron's
+  interleaving) at the link between stages;
+- the bubble: the most idle rank's idle time per unit of its work in the schedule's own
+  unit-time timeline (smp.schedules.unit_time_slots) times the pipeline's work; (pp - 1) / (v m)
+  for Megatron's interleaved schedule of v model chunks per rank;
+- data parallelism: the gradients averaged over the replicas (ring all-reduce at the link the
+  group crosses: kernels.py); where the runtime averages buckets during the last microbatch's
+  backward and the hardware communicates beside compute, only what outlasts that backward (at
+  least the last bucket) is exposed. A sharded optimizer state's updated chunks are then gathered
+  back (not overlapped);
+- sharded data parallelism (sdp = N, FSDP2): per microbatch each layer is all-gathered in forward
+  and again in backward in the compute dtype and its gradients reduce-scattered in fp32, the root
+  unit gathered and reduce-scattered once; FSDP2 prefetches, so on overlapping hardware only what
+  outlasts the microbatch's compute is exposed (at least one layer's gather). With replicas of the
+  sdp group (rdp > N), the fp32 gradient shards are all-reduced over the rdp / N replicas once per
+  microbatch (FSDP2 reduces in every backward);
+- the optimizer: memory-bound, over the parameters the rank steps (its chunk where sharded).
+
+Context and expert parallelism (cp, ep) would add terms here: their collectives per layer in
+stage_work.py (cp's key/value exchange around attention, ep's two all-to-alls around the experts)
+and their group's link from kernels.Group; smp has neither yet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from smp import schedules
+from smp.planner import hardware as hardware_
+from smp.planner import kernels
+from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout
 from smp.planner.memory import Workload, compute_bytes, held, microbatch_size, stage_parameters
 from smp.planner.model_facts import ModelFacts
+from smp.planner.runtime_costs import SMP, RuntimeCosts
+from smp.planner.stage_work import RankWork, dtype_of, rank_work
 
-HALF_FLOPS = 125e12
-FP32_FLOPS = HALF_FLOPS / 8
-NVLINK_BYTES = 150e9
-EFA_BYTES_PER_NODE = 50e9
+BUCKET_BYTES = 25 * 2**20  # smp's (and DDP's) gradient bucket
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    compute: float  # seconds, the busiest stage, recompute included
-    bubble: float
+    """Seconds of one step; the parts add up to `total`."""
+
+    matmul: float  # the busiest pipeline rank's matmuls, every microbatch, recompute included
+    memory: float  # its memory-bound kernels and gradient accumulation
     tp_comm: float
     pp_comm: float
-    dp_comm: float  # the gradients' all-reduce over the replicas (under sdp, of the sdp groups)
-    ideal: float  # the step's forward and backward FLOPs over every GPU, no overheads
-    sdp_comm: float = 0.0  # sharded data parallelism's all-gathers and reduce-scatters
+    bubble: float
+    dp_comm: float  # the exposed part of the data-parallel average and the sharded state's gather
+    sdp_comm: float  # the exposed part of sdp's gathers and reduce-scatters
+    optimizer: float
+    ideal: float  # the step's model FLOPs over every GPU at the sustained matmul rate
+    model_flops: float  # forward and backward FLOPs of the step, every GPU (no recompute)
+    tokens: int  # tokens per step, every GPU
+    gpus: int
+    peak_flops: float  # one GPU's spec peak in the training dtype (for MFU)
+    dp_traffic: float = 0.0  # seconds of data-parallel traffic, before overlap
+    sdp_traffic: float = 0.0  # seconds of sdp traffic per step, before overlap
+
+    @property
+    def compute(self) -> float:
+        return self.matmul + self.memory
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.sdp_comm
+        parts = (self.compute, self.tp_comm, self.pp_comm, self.bubble, self.dp_comm, self.sdp_comm)
+        return sum(parts) + self.optimizer
 
     @property
     def relative(self) -> float:
         return self.total / self.ideal
 
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens / self.total / self.gpus
 
-def _link(span_nodes: bool, gpus_per_node: int) -> float:
-    """Bytes per second per rank of a ring: NVLink inside a node, a GPU's share of EFA across nodes."""
-    return EFA_BYTES_PER_NODE / gpus_per_node if span_nodes else NVLINK_BYTES
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (forward and backward, recompute not counted)."""
+        return self.model_flops / self.total / self.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.total / self.gpus / self.peak_flops
+
+    def parts(self) -> dict[str, float]:
+        """Where the time goes, in seconds."""
+        return {
+            "matmul": self.matmul,
+            "memory_bound": self.memory,
+            "tp_comm": self.tp_comm,
+            "pp_comm": self.pp_comm,
+            "bubble": self.bubble,
+            "dp_comm": self.dp_comm,
+            "sdp_comm": self.sdp_comm,
+            "optimizer": self.optimizer,
+        }
 
 
-def _ring(bytes_: float, n: int, bandwidth: float) -> float:
-    """An all-reduce: a reduce-scatter, then an all-gather."""
-    return 2 * _half_ring(bytes_, n, bandwidth)
+def hardware_of(workload: Workload) -> Hardware:
+    return workload.hardware or hardware_.load(None)
 
 
-def _half_ring(bytes_: float, n: int, bandwidth: float) -> float:
-    """An all-gather or a reduce-scatter of a `bytes_` buffer (the whole, not a shard)."""
-    return 0.0 if n <= 1 else (n - 1) / n * bytes_ / bandwidth
-
-
-def estimate(facts: ModelFacts, layout: Layout, workload: Workload) -> StepTime:
-    flops = HALF_FLOPS if layout.half else FP32_FLOPS
-    elem = compute_bytes(layout)
+def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: RuntimeCosts = SMP) -> StepTime:
+    hw = hardware_of(workload)
     mb = microbatch_size(layout, workload)
-    tokens = mb * workload.seq_len
-    layers = max(held(layout, r, facts.layers)[0] for r in range(layout.pp))
-    forward = tokens * (layers * facts.layer_flops_per_token + facts.head_flops_per_token / layout.pp)
-    forward /= layout.tp
-    recompute = tokens * layers * facts.layer_flops_per_token / layout.tp if layout.checkpoint_group else 0.0
-    per_microbatch = (3 * forward + recompute) / flops
-    m, pp = layout.microbatches, layout.pp
-    compute = m * per_microbatch
-    bubble = compute * bubble_share(layout)
-    per_node = workload.gpus_per_node
-    boundary = tokens * facts.hidden * elem
-    tp_link = _link(layout.tp > per_node, per_node)
-    tp_comm = m * layers * 4 * _ring(boundary, layout.tp, tp_link)
-    pp_link = _link(layout.tp * pp > per_node, per_node)
-    pp_comm = 0.0 if pp == 1 else 2 * m * boundary / pp_link
-    grad_bytes = 4 * _stage_params(facts, layout) / layout.sdp  # sdp: the shard, over its replicas
-    dp_link = _link(layout.tp * pp * layout.rdp > per_node, per_node)
-    syncs = m if layout.sdp > 1 else 1  # FSDP2 reduces every backward; smp's buffers once a step
-    dp_comm = syncs * _ring(grad_bytes, layout.rdp // layout.sdp, dp_link)
-    sdp_comm = m * sdp_traffic(facts, layout, workload)
-    total_flops = (
-        3
-        * workload.global_batch
-        * workload.seq_len
-        * (facts.layers * facts.layer_flops_per_token + facts.head_flops_per_token)
+    works = [rank_work(facts, layout, workload, hw, r, mb) for r in range(layout.pp)]
+    busiest = max(works, key=lambda w: w.total + _accumulate(facts, layout, hw, runtime, w.rank))
+    accumulate = _accumulate(facts, layout, hw, runtime, busiest.rank)
+    m = layout.microbatches
+    message = _pipeline_message(facts, layout, workload, hw, runtime, mb)
+    sdp_traffic = sdp_seconds(facts, layout, workload)
+    sdp_exposed = _exposed_sdp(sdp_traffic, busiest, facts, layout, hw)
+    per_microbatch = busiest.total + accumulate + message + sdp_exposed
+    bubble = bubble_fraction(layout, runtime) * m * per_microbatch
+    dp_traffic, dp_exposed = _data_parallel(facts, layout, workload, hw, runtime, busiest)
+    flops = model_flops(facts, workload)
+    return StepTime(
+        matmul=m * (busiest.forward.matmul + busiest.backward.matmul),
+        memory=m * (busiest.forward.memory + busiest.backward.memory + accumulate),
+        tp_comm=m * (busiest.forward.tp_comm + busiest.backward.tp_comm),
+        pp_comm=m * message,
+        bubble=bubble,
+        dp_comm=dp_exposed,
+        sdp_comm=m * sdp_exposed,
+        optimizer=_optimizer(facts, layout, hw, runtime),
+        ideal=flops / (workload.gpus * hw.peak(dtype_of(layout))),
+        model_flops=flops,
+        tokens=workload.global_batch * workload.seq_len,
+        gpus=workload.gpus,
+        peak_flops=hw.peak_tflops[dtype_of(layout)] * 1e12,
+        dp_traffic=dp_traffic,
+        sdp_traffic=m * sdp_traffic,
     )
-    ideal = total_flops / (workload.gpus * flops)
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, ideal, sdp_comm)
+
+
+def model_flops(facts: ModelFacts, workload: Workload) -> float:
+    """Forward and backward (3 forwards) FLOPs of one step over every GPU."""
+    per_token = facts.layers * facts.layer_flops_per_token + facts.head_flops_per_token
+    return 3.0 * workload.global_batch * workload.seq_len * per_token
+
+
+def bubble_fraction(layout: Layout, runtime: RuntimeCosts = SMP) -> float:
+    """Idle time per unit of work on the most idle pipeline rank."""
+    if layout.pp == 1:
+        return 0.0
+    if runtime.virtual_stages:
+        return (layout.pp - 1) / (runtime.virtual_stages * layout.microbatches)
+    return bubble_share(layout)
 
 
 def bubble_share(layout: Layout) -> float:
-    """Idle time per unit of work on the most idle pipeline rank, from the schedule's unit-time
-    timeline (every action one slot)."""
+    """The bubble read off the schedule's unit-time timeline (every action one slot)."""
     if layout.pp == 1:
         return 0.0
-    slots = schedules.unit_time_slots(layout.pipeline, layout.pp, layout.microbatches, layout.active)
+    return _timeline_bubble(layout.pipeline, layout.pp, layout.microbatches, layout.active)
+
+
+@functools.lru_cache(maxsize=512)
+def _timeline_bubble(pipeline: str, pp: int, microbatches: int, active: int) -> float:
+    slots = schedules.unit_time_slots(pipeline, pp, microbatches, active)
     length = max(len(row) for row in slots)
     return max((length - busy) / busy for busy in (sum(a is not None for a in row) for row in slots))
 
 
-def _stage_params(facts: ModelFacts, layout: Layout) -> float:
-    """The parameters of the fullest pipeline rank (the head side counted: an untied head's
-    gradients are averaged too)."""
-    return max(stage_parameters(facts, layout, r) for r in range(layout.pp))
+def _accumulate(facts: ModelFacts, layout: Layout, hw: Hardware, runtime: RuntimeCosts, rank: int) -> float:
+    """Adding one microbatch's gradients into the kept ones (FSDP2 reduce-scatters them instead)."""
+    if layout.sdp > 1:
+        return 0.0
+    params = stage_parameters(facts, layout, rank)
+    return kernels.memory_pass(hw, params * runtime.accumulate(layout.half))
+
+
+def _pipeline_message(
+    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, runtime: RuntimeCosts, mb: int
+) -> float:
+    """One microbatch's messages between stages: the activation forward and its gradient backward,
+    at each of the rank's model chunks (Megatron's interleaved schedule: v of them)."""
+    if layout.pp == 1:
+        return 0.0
+    nbytes = mb * workload.seq_len * facts.hidden * compute_bytes(layout)
+    across = kernels.Group(layout.pp, layout.tp).spans_nodes(workload.gpus_per_node, workload.gpus)
+    if runtime.scatter_gather and layout.tp > 1:
+        gather = kernels.all_gather(
+            hw, nbytes, kernels.Group(layout.tp, 1), workload.gpus_per_node, workload.gpus
+        )
+        one = kernels.send(hw, nbytes / layout.tp, across) + gather
+    else:
+        one = kernels.send(hw, nbytes, across)
+    return 2 * max(1, runtime.virtual_stages) * one
+
+
+def _data_parallel(
+    facts: ModelFacts,
+    layout: Layout,
+    workload: Workload,
+    hw: Hardware,
+    runtime: RuntimeCosts,
+    busiest: RankWork,
+) -> tuple[float, float]:
+    """(seconds of data-parallel traffic, the part of it the step waits for)."""
+    replicas = layout.rdp // layout.sdp
+    params = max(stage_parameters(facts, layout, r) for r in range(layout.pp))
+    per_node, gpus = workload.gpus_per_node, workload.gpus
+    group = kernels.Group(replicas, layout.tp * layout.pp * layout.sdp)
+    if layout.sdp > 1:  # the fp32 shards over the sdp groups' replicas, every microbatch
+        traffic = layout.microbatches * kernels.all_reduce(hw, 4 * params / layout.sdp, group, per_node, gpus)
+        window = layout.microbatches * busiest.backward.total
+        last = traffic / layout.microbatches
+    else:
+        grads = params * runtime.averaged(layout.half)
+        traffic = kernels.all_reduce(hw, grads, group, per_node, gpus)
+        window = busiest.backward.total
+        last = kernels.all_reduce(hw, min(grads, BUCKET_BYTES), group, per_node, gpus)
+    overlapped = runtime.overlapped_average and hw.overlap and replicas > 1
+    exposed = max(traffic - window, last) if overlapped else traffic
+    if layout.shard_optimizer_state and layout.rdp > 1:  # each rank's updated chunk, to the others
+        publish = kernels.all_gather(hw, params * compute_bytes(layout), group, per_node, gpus)
+        traffic, exposed = traffic + publish, exposed + publish
+    return traffic, exposed
+
+
+def _optimizer(facts: ModelFacts, layout: Layout, hw: Hardware, runtime: RuntimeCosts) -> float:
+    params = max(stage_parameters(facts, layout, r) for r in range(layout.pp))
+    if layout.sdp > 1:
+        chunk = params / layout.sdp
+    elif layout.shard_optimizer_state:
+        chunk = params / layout.rdp
+    else:
+        chunk = params
+    return kernels.memory_pass(hw, chunk * runtime.optimizer(layout.half))
+
+
+def _exposed_sdp(traffic: float, busiest: RankWork, facts: ModelFacts, layout: Layout, hw: Hardware) -> float:
+    """What of a microbatch's sdp traffic the compute does not hide (prefetched gathers)."""
+    if traffic == 0.0 or not hw.overlap:
+        return traffic
+    layers = max(1, held(layout, busiest.rank, facts.layers)[0])
+    return max(traffic - busiest.total, traffic / (2 * layers + 1))
 
 
 def sdp_spans_nodes(layout: Layout, workload: Workload) -> bool:
     """Whether an sdp group crosses nodes: it spans sdp x pp x tp consecutive ranks (tp fastest)."""
-    group = layout.sdp * layout.pp * layout.tp
-    return workload.gpus > workload.gpus_per_node and workload.gpus_per_node % group != 0
+    group = kernels.Group(layout.sdp, layout.pp * layout.tp)
+    return group.spans_nodes(workload.gpus_per_node, workload.gpus)
 
 
-def sdp_traffic(facts: ModelFacts, layout: Layout, workload: Workload) -> float:
+def sdp_seconds(facts: ModelFacts, layout: Layout, workload: Workload) -> float:
     """Seconds of one microbatch's all-gathers and reduce-scatters on the busiest pipeline rank."""
     if layout.sdp == 1:
         return 0.0
-    link = _link(sdp_spans_nodes(layout, workload), workload.gpus_per_node)
+    hw = hardware_of(workload)
+    group = kernels.Group(layout.sdp, layout.pp * layout.tp)
     layer = facts.layer.per_rank(layout.tp)
     busiest = 0.0
     for rank in range(layout.pp):
@@ -138,5 +268,8 @@ def sdp_traffic(facts: ModelFacts, layout: Layout, workload: Workload) -> float:
         root = stage_parameters(facts, layout, rank) - layers * layer
         gathered = (2 * layers * layer + root) * compute_bytes(layout)  # layers twice, the root once
         reduced = (layers * layer + root) * 4  # every gradient, once, in fp32
-        busiest = max(busiest, _half_ring(gathered + reduced, layout.sdp, link))
+        seconds = kernels.all_gather(hw, gathered + reduced, group, workload.gpus_per_node, workload.gpus)
+        collectives = (2 * layers + 1) + (layers + 1)  # the gathers, the reduce-scatters: one was counted
+        latency = kernels.half_ring_latency(hw, group, workload.gpus_per_node, workload.gpus)
+        busiest = max(busiest, seconds + (collectives - 1) * latency)
     return busiest

@@ -1,5 +1,7 @@
-"""The Best Practices seed's procedure: go down its list in order and stop at the first
-configuration that fits.
+"""The Best Practices seed's procedure, walked to its end: go down its list in order, each step
+carrying on from the layout the last one reached, and rank every layout that fits by its step
+time (step_time.py). The seed stopped at the first configuration that fits; that one is kept as
+`first_fit`, and the recommendation says how much faster the fastest fit is.
 
 1. Large GPU instances: not a config key; the walk plans for the GPU memory given and says so.
 2. Shard the optimizer state over the data-parallel ranks.
@@ -8,17 +10,19 @@ configuration that fits.
    seed's reference choice.
 4. Split the model's state, where SMP's later best practice put sharded data parallelism first:
    - sharded data parallelism (sdp, in place of the sharded optimizer state, checkpointing kept),
-     the smallest degree dividing rdp that fits, degrees whose group stays inside a node first.
-     Not where the layers themselves do not fit one GPU (even sdp = rdp does not fit: what is
-     left is per layer, which only tensor parallelism cuts), nor under fp16 (smp's sdp runs in
+     every degree dividing rdp, degrees whose group stays inside a node first, each kind smallest
+     first. Not where the layers themselves do not fit one GPU (even sdp = rdp does not fit: what
+     is left is per layer, which only tensor parallelism cuts), nor under fp16 (smp's sdp runs in
      fp32 or bf16);
    - tensor parallelism: a power of two (2, 4, 8, ...) at most the GPUs per node, dividing the
      attention heads (and key/value heads), with prescaled_batch on; then sdp over the largest
      TP layout.
 5. Pipeline parallelism across nodes (the largest TP degree from step 4 stays inside a node):
    pp = 2, 4, ...; for each, microbatches from the smallest that fills the pipeline up
-   (smaller microbatches, less memory each), then fewer active_microbatches.
-6. Offload activations to the CPU (with checkpointing and pipelining, CUDA only).
+   (smaller microbatches, less memory each), then, while none of them fits, fewer
+   active_microbatches (fewer in flight only saves memory: never faster).
+6. Offload activations to the CPU (with checkpointing and pipelining, CUDA only), where nothing
+   fits before it (it only saves memory).
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ class Walk:
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
 
+    @property
+    def fitted(self) -> bool:
+        return any(c.fits for c in self.candidates)
+
     def attempt(self, step: str, layout: Layout) -> bool:
         try:
             candidate = evaluate(self.facts, layout, self.workload, self.runtime, step)
@@ -123,45 +131,54 @@ def walk(facts: ModelFacts, workload: memory.Workload, runtime: memory.Runtime, 
     )
     for step in steps:
         start = step(w, start)
-        if start is None:
-            break
     return w
 
 
-def _data_parallel(w: Walk, layout: Layout) -> Layout | None:
-    return None if w.attempt("data parallelism only", layout) else layout
+def first_fit(candidates) -> Candidate | None:
+    """The seed's answer: the first layout in its order that fits."""
+    return next((c for c in candidates if c.fits), None)
+
+
+def fastest_fit(candidates) -> Candidate | None:
+    """The recommendation: the layout that fits with the shortest step (the earlier on a tie)."""
+    fits = [c for c in candidates if c.fits]
+    return min(fits, key=lambda c: c.time.total) if fits else None
+
+
+def _data_parallel(w: Walk, layout: Layout) -> Layout:
+    w.attempt("data parallelism only", layout)
+    return layout
 
 
 def _large_gpus(w: Walk, layout: Layout) -> Layout:
     w.notes.append(
         f"1. large GPU instances: planning for the {w.workload.gpu_memory / GiB:.0f} GiB per GPU given; the "
-        "seed recommends the largest (ml.p4d, ml.p3dn); with more memory per GPU the walk may stop earlier"
+        "seed recommends the largest (ml.p4d, ml.p3dn); with more memory per GPU more layouts fit"
     )
     return layout
 
 
-def _shard(w: Walk, layout: Layout) -> Layout | None:
+def _shard(w: Walk, layout: Layout) -> Layout:
     if layout.rdp == 1:
         w.notes.append(
             "2. sharded optimizer state: skipped, one data-parallel rank has nothing to shard with"
         )
         return layout
     sharded = layout.replace(shard_optimizer_state=True)
-    return None if w.attempt("2. shard optimizer state", sharded) else sharded
+    w.attempt("2. shard optimizer state", sharded)
+    return sharded
 
 
-def _checkpoint(w: Walk, layout: Layout) -> Layout | None:
+def _checkpoint(w: Walk, layout: Layout) -> Layout:
     each = layout.replace(checkpointing="each")
-    if w.attempt("3. activation checkpointing (each layer)", each):
-        return None
-    if w.attempt("3. activation checkpointing (group_2)", layout.replace(checkpointing="group_2")):
-        return None
+    w.attempt("3. activation checkpointing (each layer)", each)
+    w.attempt("3. activation checkpointing (group_2)", layout.replace(checkpointing="group_2"))
     return each
 
 
-def _sharded_data_parallel(w: Walk, layout: Layout, step: str = SDP_STEP) -> Layout | None:
-    """The smallest sdp degree that fits, or the layout unchanged for the next step (sdp is not
-    carried on: it replaces shard_optimizer_state, and TP and PP start from the sharded state)."""
+def _sharded_data_parallel(w: Walk, layout: Layout, step: str = SDP_STEP) -> Layout:
+    """Every usable sdp degree, in order; the layout carries on unchanged (sdp is not carried on:
+    it replaces shard_optimizer_state, and TP and PP start from the sharded state)."""
     base = layout.replace(shard_optimizer_state=False, shard_gradients=None)
     degrees = sdp_degrees(base, w.workload)
     usable = [n for n in degrees if not sdp_problem(base.replace(sdp=n))]
@@ -177,8 +194,7 @@ def _sharded_data_parallel(w: Walk, layout: Layout, step: str = SDP_STEP) -> Lay
         w.notes.append(f"{step}: skipped, the layers themselves do not fit one GPU: {even}; {then}")
         return layout
     for n in usable:
-        if w.attempt(f"{step} {n}", base.replace(sdp=n)):
-            return None
+        w.attempt(f"{step} {n}", base.replace(sdp=n))
     return layout
 
 
@@ -189,13 +205,13 @@ def sdp_degrees(layout: Layout, workload: memory.Workload) -> list[int]:
     return sorted(divisors, key=lambda n: (step_time.sdp_spans_nodes(layout.replace(sdp=n), workload), n))
 
 
-def _sharded_with_tensor_parallel(w: Walk, layout: Layout) -> Layout | None:
+def _sharded_with_tensor_parallel(w: Walk, layout: Layout) -> Layout:
     if layout.tp == 1:  # no TP layout to shard: step 4's sdp already tried these
         return layout
     return _sharded_data_parallel(w, layout, f"4. tensor parallelism {layout.tp}, sharded data parallelism")
 
 
-def _tensor_parallel(w: Walk, layout: Layout) -> Layout | None:
+def _tensor_parallel(w: Walk, layout: Layout) -> Layout:
     best, tp = layout, 2
     while tp <= w.workload.gpus_per_node:
         why = _tp_unusable(w, tp)
@@ -203,8 +219,7 @@ def _tensor_parallel(w: Walk, layout: Layout) -> Layout | None:
             w.notes.append(f"4. tensor parallelism {tp}: skipped ({why})")
         else:
             best = layout.replace(tp=tp, rdp=w.workload.gpus // tp, prescaled_batch=True)
-            if w.attempt(f"4. tensor parallelism {tp}", best):
-                return None
+            w.attempt(f"4. tensor parallelism {tp}", best)
         tp *= 2
     return best
 
@@ -218,7 +233,7 @@ def _tp_unusable(w: Walk, tp: int) -> str:
     return ""
 
 
-def _pipeline(w: Walk, layout: Layout) -> Layout | None:
+def _pipeline(w: Walk, layout: Layout) -> Layout:
     last, pp = layout, 2
     while pp <= w.facts.layers and w.workload.gpus % (pp * layout.tp) == 0:
         rdp = w.workload.gpus // (pp * layout.tp)
@@ -232,22 +247,27 @@ def _pipeline(w: Walk, layout: Layout) -> Layout | None:
             )
             pp *= 2
             continue
+        fitted = False
         for i, m in enumerate(choices):
             last = staged.replace(microbatches=m, active_microbatches=None)
             step = f"5. pipeline {pp} across nodes" if i == 0 else f"5. pipeline {pp}, more microbatches"
-            if w.attempt(f"{step} (m={m})", last):
-                return None
-        for active in range(min(pp + 2, last.microbatches) - 1, 0, -1):
+            fitted |= w.attempt(f"{step} (m={m})", last)
+        # Fewer microbatches in flight only save memory: tried while none of this degree fits.
+        for active in range(last.active - 1, 0, -1):
+            if fitted:
+                break
             last = last.replace(active_microbatches=active)
-            if w.attempt(f"5. pipeline {pp}, fewer active microbatches ({active})", last):
-                return None
+            fitted = w.attempt(f"5. pipeline {pp}, fewer active microbatches ({active})", last)
         pp *= 2
     return last
 
 
-def _offload(w: Walk, layout: Layout) -> Layout | None:
+def _offload(w: Walk, layout: Layout) -> Layout:
+    if w.fitted:
+        return layout  # offloading only saves memory: not tried where a layout already fits
     if layout.pp == 1 or layout.microbatches == 1:
         w.notes.append("6. offloading activations: skipped (it needs pipelining with several microbatches)")
         return layout
     offloaded = layout.replace(offload_activations=True, active_microbatches=None)
-    return None if w.attempt("6. offload activations (CUDA)", offloaded) else offloaded
+    w.attempt("6. offload activations (CUDA)", offloaded)
+    return offloaded

@@ -1,0 +1,159 @@
+"""The work of one microbatch on one pipeline rank, in seconds on a Hardware: its matmuls, its
+memory-bound kernels and its tensor-parallel collectives, forward and backward.
+
+- Matmuls: each of a layer's matrices as its tensor-parallel shard (model_facts.Matmul), forward
+  [T, k] x [k, n], backward the input gradient [T, n] x [n, k] and the weight gradient
+  [k, T] x [T, n] (T = the microbatch's tokens). Attention's scores and context are batched
+  matmuls per head: eager attention writes and reads the [seq, seq] scores through memory (the
+  roofline makes them memory-bound), fused attention (sdpa / flash) keeps them on chip, and its
+  backward computes the scores again (2.5 forwards of matmuls, as FlashAttention's).
+- Memory-bound kernels (norms, activations, softmax, dropout, residual adds): a module's layer
+  has its forward's elementwise bytes measured (measured_facts.py: every operation's inputs and
+  outputs, views and matmuls left out); a config's are estimated from what autograd saves
+  (model_facts.Saved, the validated memory model): each saved tensor was written by one kernel and
+  read by the next in the forward (2x its bytes). The backward reads what the forward wrote and
+  writes and reads the gradients: 1.5 times the forward's bytes. Each dispatched operation pays the
+  hardware's per-kernel overhead (forward: the layer's ATen operations; backward: 1.6 times as
+  many, as measured on Hugging Face GPT-2 and Llama blocks).
+- Checkpointed layers run their forward once more in the backward (matmuls, kernels and TP
+  collectives).
+- Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
+  gradient twice backward (attention and MLP), and the embedding's output and the head's input
+  gradient once each; nothing overlaps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from smp.planner import kernels
+from smp.planner.hardware import Hardware
+from smp.planner.layout import Layout
+from smp.planner.memory import Workload, compute_bytes, held
+from smp.planner.model_facts import ModelFacts
+
+BACKWARD_OPS = 1.6  # backward ATen operations per forward one (HF GPT-2: 1.76, Llama: 1.77)
+FORWARD_TRAFFIC, BACKWARD_TRAFFIC = 2.0, 3.0  # memory traffic per byte autograd saves
+FUSED_ATTENTION_BACKWARD = 2.5  # FlashAttention's backward: 5 matmuls to the forward's 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """Seconds of a forward or backward of one microbatch through some layers."""
+
+    matmul: float = 0.0
+    memory: float = 0.0  # memory-bound kernels and per-kernel overheads
+    tp_comm: float = 0.0
+
+    def __add__(self, other: Pass) -> Pass:
+        return Pass(self.matmul + other.matmul, self.memory + other.memory, self.tp_comm + other.tp_comm)
+
+    def __mul__(self, k: float) -> Pass:
+        return Pass(self.matmul * k, self.memory * k, self.tp_comm * k)
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.memory + self.tp_comm
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWork:
+    """One microbatch on one pipeline rank: forward, backward (recompute included)."""
+
+    rank: int
+    forward: Pass
+    backward: Pass
+
+    @property
+    def total(self) -> float:
+        return self.forward.total + self.backward.total
+
+
+def dtype_of(layout: Layout) -> str:
+    return "bf16" if layout.bf16 else "fp16" if layout.fp16 else "fp32"
+
+
+def rank_work(
+    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, rank: int, mb: int
+) -> RankWork:
+    layers, first, last = held(layout, rank, facts.layers)
+    fwd_layer, bwd_layer = _layer(facts, layout, workload, hw, mb)
+    forward = fwd_layer * layers
+    backward = bwd_layer * layers
+    if layout.checkpoint_group:
+        backward = backward + fwd_layer * layers  # the recomputed forward
+    tokens = mb * workload.seq_len
+    boundary = tokens * facts.hidden * compute_bytes(layout)
+    tp_group = kernels.Group(layout.tp, 1)
+    tp_one = kernels.all_reduce(hw, boundary, tp_group, workload.gpus_per_node, workload.gpus)
+    if first:
+        forward = forward + Pass(tp_comm=tp_one) + _saved_traffic(facts.saved_before, layout, hw, mb)
+        backward = backward + _saved_traffic(facts.saved_before, layout, hw, mb, backward=True)
+    if last:
+        head_f, head_b = _head(facts, layout, hw, tokens)
+        forward = forward + head_f + _saved_traffic(facts.saved_after, layout, hw, mb)
+        backward = backward + head_b + Pass(tp_comm=tp_one)
+        backward = backward + _saved_traffic(facts.saved_after, layout, hw, mb, backward=True)
+    return RankWork(rank, forward, backward)
+
+
+def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int) -> tuple[Pass, Pass]:
+    """(forward, backward) of one layer for one microbatch, recompute not included."""
+    dtype, tp = dtype_of(layout), layout.tp
+    tokens = mb * workload.seq_len
+    fwd = bwd = 0.0
+    for matrix in facts.matmuls:
+        k, n = matrix.per_rank(tp)
+        fwd += kernels.matmul(hw, dtype, tokens, n, k)
+        bwd += kernels.matmul(hw, dtype, tokens, k, n) + kernels.matmul(hw, dtype, k, n, tokens)
+    attn_f, attn_b = _attention(facts, layout, workload, hw, mb)
+    boundary = tokens * facts.hidden * compute_bytes(layout)
+    group = kernels.Group(tp, 1)
+    two = 2 * kernels.all_reduce(hw, boundary, group, workload.gpus_per_node, workload.gpus)
+    ops = facts.layer_ops or 0
+    if facts.layer_traffic:  # measured on the module, in its 4-byte floats; cut as the saved bytes
+        elem, saved = compute_bytes(layout), facts.saved_layer
+        share = saved.per_rank(elem, tp) / max(saved.per_rank(elem, 1), 1.0)
+        nbytes = facts.layer_traffic * elem / 4 * share * mb
+        f_mem = kernels.memory_pass(hw, nbytes, ops)
+        b_mem = kernels.memory_pass(hw, BACKWARD_TRAFFIC / FORWARD_TRAFFIC * nbytes, ops * BACKWARD_OPS)
+        return Pass(fwd + attn_f, f_mem, two), Pass(bwd + attn_b, b_mem, two)
+    forward = Pass(fwd + attn_f, tp_comm=two) + _saved_traffic(facts.saved_layer, layout, hw, mb, ops=ops)
+    backward = Pass(bwd + attn_b, tp_comm=two)
+    backward = backward + _saved_traffic(facts.saved_layer, layout, hw, mb, backward=True, ops=ops)
+    return forward, backward
+
+
+def _attention(
+    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the scores and context matmuls, every head of the rank."""
+    seq, dtype = workload.seq_len, dtype_of(layout)
+    head_dim = facts.head_dim or facts.hidden // facts.heads
+    batch = mb * max(1, facts.heads // layout.tp)
+    if facts.eager_attention:
+        scores = kernels.matmul(hw, dtype, seq, seq, head_dim, batch)
+        context = kernels.matmul(hw, dtype, seq, head_dim, seq, batch)
+        return scores + context, 2 * (scores + context)
+    # Fused: the matmuls' FLOPs at the matmul rate, the scores never leave the chip.
+    flops = 2 * 2.0 * seq * seq * head_dim * batch
+    fused = flops / (hw.peak(dtype) * kernels.wave_efficiency(hw, seq, head_dim, batch))
+    return fused, FUSED_ATTENTION_BACKWARD * fused
+
+
+def _head(facts: ModelFacts, layout: Layout, hw: Hardware, tokens: int) -> tuple[Pass, Pass]:
+    """The logits' matmul (vocabulary-parallel under TP): forward, and its two gradients."""
+    dtype, vocab = dtype_of(layout), max(1, facts.vocab // layout.tp)
+    forward = kernels.matmul(hw, dtype, tokens, vocab, facts.hidden)
+    backward = kernels.matmul(hw, dtype, tokens, facts.hidden, vocab) + kernels.matmul(
+        hw, dtype, facts.hidden, vocab, tokens
+    )
+    return Pass(forward), Pass(backward)
+
+
+def _saved_traffic(
+    saved, layout: Layout, hw: Hardware, mb: int, backward: bool = False, ops: int = 0
+) -> Pass:
+    nbytes = saved.per_rank(compute_bytes(layout), layout.tp) * mb
+    factor, kernels_run = (BACKWARD_TRAFFIC, ops * BACKWARD_OPS) if backward else (FORWARD_TRAFFIC, ops)
+    return Pass(memory=kernels.memory_pass(hw, factor * nbytes, kernels_run))
