@@ -406,4 +406,3 @@ def _check_sdp(config: Config) -> None:
             "when its backward ends, but this schedule computes weight gradients later; use "
             "pipeline 'interleaved' or 'simple'"
         )
-

@@ -12,7 +12,6 @@ from torch import nn
 
 from smp import hf, parallel_state, recompute
 from smp.engine import Engine
-from smp.optim import grad_norm
 from smp.services import microbatch
 from smp.state import model_state
 
@@ -256,16 +255,7 @@ class DistributedModel(nn.Module):
         """Clips all gradients by their global L2 norm over every stage and tensor-parallel shard
         (a replicated parameter counts once); returns the norm. A collective on every rank. With a
         DistributedOptimizer it clips the gradients that optimizer is about to apply."""
-        optimizer = self.engine.optimizer
-        if optimizer is not None:
-            return optimizer.clip_master_grads(max_norm, norm_type)
-        grad_norm.check_norm_type(norm_type, "clip_grad_norm_")
-        if self.engine.sharded_data is not None:
-            return self.engine.sharded_data.clip_grad_norm(max_norm, norm_type)
-        first_replica = self.engine.groups.rdp_rank == 0
-        return grad_norm.clip_whole(
-            self.get_module().parameters(), self.engine.counts_in_norm, max_norm, first_replica
-        )
+        return self.engine.clip_grad_norm(max_norm, norm_type)
 
     # --- tensor parallelism (SMP v1 names) -----------------------------------------------------
 

@@ -5,6 +5,5 @@ the step lifecycle, gradient synchronization and hooks (engine.py)."""
 from smp.engine.build import Program, build
 from smp.engine.engine import Engine
 from smp.engine.plan import Plan, make_plan, place_whole
-from smp.engine.protocol import GradientConsumer
 
-__all__ = ["Engine", "GradientConsumer", "Plan", "Program", "build", "make_plan", "place_whole"]
+__all__ = ["Engine", "Plan", "Program", "build", "make_plan", "place_whole"]

@@ -7,8 +7,9 @@ rank and ranks average gradients. Otherwise the first forward inside @smp.step p
 rank's program (smp.engine.programs, smp.engine.build), whose stages run the microbatch and
 exchange activations. The executor (smp.engine.executor) drives the step.
 
-Optimizers attach through `attach_optimizer` (smp.engine.protocol.GradientConsumer) and ask the
-engine what they need through its public methods.
+An optimizer attaches once (`attach_optimizer`); once the model is partitioned the engine, which
+owns the gradient averaging, chooses the optimizer's gradient regime (smp.gradients) and hands it
+over (`receive`): from then on the optimizer talks to that object alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 import smp.passes as passes
-from smp import hf, params, recompute
+from smp import gradients, hf, params, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
@@ -29,10 +30,10 @@ from smp.engine.accumulation import Accumulation
 from smp.engine.build import debug_report
 from smp.engine.plan import Plan, place_sharded, place_whole, rank_device
 from smp.engine.programs import Programs
-from smp.engine.protocol import GradientConsumer
 from smp.engine.trained import TrainedSet
 from smp.finite_check import FiniteCheck
 from smp.groups import ParallelGroups
+from smp.optim import grad_norm
 from smp.services.microbatch import Microbatch
 from smp.sharded_data import ShardedModel
 from smp.state import model_state
@@ -77,7 +78,9 @@ class Engine:
         # Sharded data parallelism (FSDP2 shards the parameters and averages the gradients).
         self.sharded_data: ShardedModel | None = None
         self._trained = TrainedSet(module)
-        self._consumers: list[GradientConsumer] = []
+        self._optimizer = None  # the DistributedOptimizer attached (SMP v1 has one per model)
+        self._attached: tuple | None = None  # (its torch optimizer, its loss scaler)
+        self.gradients: gradients.GradientState | None = None  # its regime, once partitioned
         self._post_partition_hooks: list[Callable] = []  # each runs once, when partitioned
         self._post_step_hooks: list[Callable] = []  # each runs once, at the next step's end
         self._failed_step: str | None = None
@@ -133,9 +136,8 @@ class Engine:
         if self.steps_run == 0:
             self._checkpointing.check_first_step()
         self._check_trained()
-        if self.partitioned:
-            for consumer in self._consumers:
-                consumer.step_starting()
+        if self.gradients is not None:
+            self.gradients.step_starting()
         if self.grad_sync is not None and not self.grad_sync.idle:
             self._start_grad_sync()
         self._backward_ran = False
@@ -151,7 +153,7 @@ class Engine:
             self.programs.finish_step()
         self._checkpointing.finish_step()
         if self.grad_sync is not None and not self.grad_sync.idle:
-            self.grad_sync.finish_step(self._backward_ran, publish=not self._consumers)
+            self.grad_sync.finish_step(self._backward_ran, publish=self.gradients is None)
         if self.sharded_data is not None and self._backward_ran and self._accumulation.last_of_window:
             self.sharded_data.finish_backward()  # (once per window: the sums add across steps)
         if self._finite is not None:
@@ -160,17 +162,10 @@ class Engine:
             self._finite.end_step(self.steps_run, grads if self._backward_ran else None)
         if self._backward_ran:
             self._trained.make_final()
-            if self._accumulation.backward_done():
-                for consumer in self._consumers:
-                    consumer.gradients_ready()
+            if self._accumulation.backward_done() and self.gradients is not None:
+                self.gradients.gradients_ready()
         if self._post_step_hooks:
             _run_once(self._post_step_hooks, self.optimizer)
-
-    def fix_trained_parameters(self) -> None:
-        """Called by an optimizer that builds state for the parameters requiring grad now (flat
-        buffers, shards): from here on that set is final."""
-        self._check_trained()
-        self._trained.make_final()
 
     def _check_trained(self) -> None:
         if self.grad_sync is not None:  # (FSDP2 reads requires_grad each backward itself)
@@ -236,8 +231,8 @@ class Engine:
     def backward(self, mb: Microbatch, tensors: list[torch.Tensor], grad_tensors: list) -> None:
         self._trained.raise_if_changed()
         scale = 1.0 / self.config.microbatches if self._average_microbatches else 1.0
-        if self._consumers:
-            scale *= self._consumers[0].loss_scale  # fp16 loss scaling; the optimizer divides it out
+        if self.gradients is not None:
+            scale *= self.gradients.loss_scale  # fp16 loss scaling; the optimizer divides it out
         self._backward_ran = True
         if self._finite is not None:
             self._finite.loss(mb.index, tensors)
@@ -265,6 +260,9 @@ class Engine:
             args, kwargs, batch_size, signature, checkpointing.regions(), checkpointing.offloader
         )
         self._install(plan)
+        if self._attached is not None:  # before the post-partition hooks (a resume loads its state)
+            self._adopt()
+            self.gradients.step_starting()  # (this step is under way)
         if self.grad_sync is not None:
             self._start_grad_sync()  # this step is under way
         if self.config.debug:
@@ -297,35 +295,63 @@ class Engine:
 
     # --- for optimizers and checkpoints -------------------------------------------------
 
-    def attach_optimizer(self, consumer: GradientConsumer) -> None:
-        self._consumers.append(consumer)
+    def attach_optimizer(self, optimizer, inner: torch.optim.Optimizer, scaler) -> None:
+        """`optimizer` (a DistributedOptimizer over `inner`, scaling fp16 losses with `scaler`) gets
+        its gradient regime by `optimizer.receive(...)` once the model is partitioned."""
+        self._optimizer, self._attached = optimizer, (inner, scaler)
+        if self.partitioned:
+            self._adopt()
 
     @property
-    def optimizer(self) -> GradientConsumer | None:
-        """The first optimizer attached (SMP v1 has one per model), or None."""
-        return self._consumers[0] if self._consumers else None
+    def optimizer(self):
+        """The DistributedOptimizer attached, or None."""
+        return self._optimizer
 
-    def shards_gradients(self) -> bool:
-        """Whether an optimizer with sharded state keeps only its chunk of the gradients (config
+    def _adopt(self) -> None:
+        """Chooses the attached optimizer's gradient regime, once (smp.gradients), and hands it over."""
+        inner, scaler = self._attached
+        self.gradients = gradients.choose(
+            inner,
+            scaler,
+            self.config,
+            self.groups,
+            self._counts_in_norm,
+            self.state.local_part,
+            self.grad_sync,
+            self.sharded_data,
+            self._shards_gradients(),
+            self._fix_trained,
+        )
+        self._optimizer.receive(self.gradients)
+
+    def _fix_trained(self) -> None:
+        """From now on the set of parameters that train is final (a regime built state for it)."""
+        self._check_trained()
+        self._trained.make_final()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips every gradient by the global norm (a collective): those the optimizer applies, or
+        without one the parameters' own."""
+        if self.gradients is not None:
+            return self.gradients.clip(max_norm, norm_type)
+        grad_norm.check_norm_type(norm_type, "clip_grad_norm_")
+        if self.sharded_data is not None:
+            return self.sharded_data.clip_grad_norm(max_norm, norm_type)
+        first_replica = self.groups.rdp_rank == 0
+        return grad_norm.clip_whole(self.module.parameters(), self._counts_in_norm, max_norm, first_replica)
+
+    def _shards_gradients(self) -> bool:
+        """Whether sharded optimizer state keeps only its chunk of the gradients (config
         "shard_gradients"; null: where that saves memory, i.e. one microbatch and no accumulation
-        over steps). Asked once the model is partitioned."""
+        over steps)."""
         wanted, sync = self.config.shard_gradients, self.grad_sync
         if sync is None or wanted is False:
             return False
         if wanted is None:
             return sync.can_shard(self.config.microbatches, self._accumulation.windowed)
-        return True  # use_sharded_grads says why not, where it cannot
+        return True  # GradSync.use_sharded_grads says why not, where it cannot
 
-    def use_sharded_grads(self, params: list[nn.Parameter], offsets: list[int], lo: int, grad: torch.Tensor):
-        """An optimizer's chunk gradient, which the gradient averaging fills bucket by bucket."""
-        self.grad_sync.use_sharded_grads(params, offsets, lo, grad)
-
-    def use_flat_grads(self, grads: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
-        """An optimizer's flat gradient buffer, which the gradient averaging then works in."""
-        if self.grad_sync is not None:
-            self.grad_sync.use_flat_grads(grads, params, offsets)
-
-    def counts_in_norm(self, param: torch.Tensor) -> bool:
+    def _counts_in_norm(self, param: torch.Tensor) -> bool:
         """Whether this rank counts `param` in a global norm over the model-parallel ranks."""
         if self.plan is None:
             return self.groups.tp_rank == 0

@@ -67,6 +67,21 @@ class LossScaler:
         self._hysteresis = int(state["hysteresis"])
 
 
+def from_smp_args(fp16: bool, static_scale, dynamic: bool, args: dict | None, kwargs: dict) -> LossScaler:
+    """SMP v1's loss-scaling arguments of DistributedOptimizer: checked always, used only in fp16
+    training (a scaler of 1 otherwise)."""
+    if args is not None and not isinstance(args, dict):
+        raise TypeError(
+            f"smp.DistributedOptimizer: dynamic_loss_args must be a dict such as "
+            f"{{'scale_window': 1000, 'min_scale': 1, 'delayed_shift': 2}}, got {type(args).__name__}"
+        )
+    both = sorted(set(args or {}) & set(kwargs))
+    if both:
+        raise TypeError(f"smp.DistributedOptimizer: {both} given both in dynamic_loss_args and as keywords")
+    scaler = LossScaler(1.0 if static_scale is None else static_scale, dynamic, **(args or {}), **kwargs)
+    return scaler if fp16 else LossScaler(1.0, False)
+
+
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     """True on every rank if `flag` is true on any rank of the world."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
