@@ -323,3 +323,49 @@ def test_amp_grad_scaler_with_smp_step():
         assert skipped == [False, False, False, True]
         assert param_err < PARAM_ATOL  # 3 scaled steps, then nothing
         assert scale == 2.0**9
+
+
+def _gradient_bytes(rank, world_size, shard_gradients):
+    """After a step with shard_optimizer_state: where the averaged gradients are kept, and the
+    bytes of fp32 gradient this rank holds between steps."""
+    import smp
+
+    config = {"shard_optimizer_state": True, "shard_gradients": shard_gradients}
+    _, model, opt, train = _sharded_gpt(rank, config, bucket_cap_mb=0.02)
+    train(0)
+    flat = opt.flat_state
+    whole = [g.grads is not None for g in flat.groups]
+    held = sum((g.grads if g.grads is not None else g.master.grad).numel() * 4 for g in flat.groups)
+    numel = sum(p.numel() for p in model.local_parameters())
+    grads = [p.grad for p in model.local_parameters()] + [
+        smp.params.applied_grad(p) for p in model.local_parameters()
+    ]
+    return {"whole": whole, "held": held, "numel": numel, "param_grads": sum(g is not None for g in grads)}
+
+
+def test_sharded_gradients_keep_only_the_chunk():
+    """shard_gradients true: no rank keeps the whole fp32 gradient (only its chunk: 4/rdp bytes per
+    parameter); false: the whole one (4 bytes); null on CPU processes (the rule: CUDA only): false."""
+    sharded = run_ranks(_gradient_bytes, 2, True, timeout=300)
+    whole = run_ranks(_gradient_bytes, 2, False, timeout=300)
+    default = run_ranks(_gradient_bytes, 2, None, timeout=300)
+    for r in sharded:
+        assert not any(r["whole"]) and r["param_grads"] == 0, r
+        assert r["held"] <= 4 * r["numel"] / 2 + 64, r  # its chunk (+ padding)
+    for r in whole + default:
+        assert all(r["whole"]), r
+        assert r["held"] >= 4 * r["numel"], r
+
+
+def test_sharded_gradients_default_rule():
+    """Null turns sharded gradients on where they save memory (README, "Sharded state"): replicas,
+    one microbatch, no accumulation over steps, CUDA, and a saving over twice the buckets in flight."""
+    from smp.data_parallel.grad_sync import worth_sharding
+
+    big, bucket = 4 * 10**9, 25 * 2**20  # 1e9 parameters' fp32 gradients, a 25 MB bucket
+    assert worth_sharding(2, 1, False, True, big, bucket)
+    assert not worth_sharding(1, 1, False, True, big, bucket)  # nothing to average
+    assert not worth_sharding(2, 2, False, True, big, bucket)  # microbatches: buckets live all backward
+    assert not worth_sharding(2, 1, True, True, big, bucket)  # accumulation over steps
+    assert not worth_sharding(2, 1, False, False, big, bucket)  # on the host: page faults cost time
+    assert not worth_sharding(2, 1, False, True, 4 * 10**6, bucket)  # small: buckets cost more than saved

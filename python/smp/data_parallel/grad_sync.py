@@ -51,6 +51,21 @@ from smp.data_parallel.buffers import (
 from smp.services import timeline
 
 
+def worth_sharding(
+    replicas: int, backwards: int, windowed: bool, on_cuda: bool, grad_bytes: int, bucket_bytes: int
+) -> bool:
+    """The rule for sharded gradients left unset (config "shard_gradients": null): on where they save
+    memory without costing time. Replicas to average, one microbatch and no accumulation over steps
+    (else every bucket lives through the whole backward), CUDA parameters (on the host each step's
+    fresh bucket storage costs page faults: 14% more step time in benchmarks/optimizer.py on 2 CPU
+    ranks; CUDA's caching allocator reuses the blocks), and more saved than the buckets in flight
+    cost, twice over (small models keep their whole gradients, and torch's .grad)."""
+    if replicas < 2 or backwards != 1 or windowed or not on_cuda:
+        return False
+    saved = grad_bytes * (1 - 1 / replicas)
+    return saved > 2 * (IN_FLIGHT + 1) * bucket_bytes
+
+
 class GradSync:
     def __init__(
         self,
@@ -139,19 +154,15 @@ class GradSync:
         self._pending = [0] * len(self._buckets)
 
     def can_shard(self, expected_backwards: int, windowed: bool) -> bool:
-        """Whether `use_sharded_grads` would save memory without costing time: replicas to
-        average, one microbatch and no accumulation over steps (else every bucket lives through
-        the whole backward), CUDA parameters, and more saved than the buckets in flight cost
-        (twice over: small models keep their whole gradients, and torch's .grad)."""
-        if not self.can_shard_at_all() or expected_backwards != 1 or windowed:
-            return False
-        # On the host each step's fresh bucket storage costs page faults: 14% more step time in
-        # benchmarks/optimizer.py (CPU, 2 ranks). CUDA's caching allocator reuses the blocks.
-        if not all(p.is_cuda for p in self._params):
-            return False
-        whole = 4 * sum(p.numel() for p in self._params)  # bytes of fp32 gradients
-        saved = whole * (1 - 1 / self._dp_size)
-        return saved > 2 * (IN_FLIGHT + 1) * self._cap_bytes
+        """Whether `use_sharded_grads` would save memory without costing time (worth_sharding)."""
+        return worth_sharding(
+            self._dp_size,
+            expected_backwards,
+            windowed,
+            all(p.is_cuda for p in self._params),
+            4 * sum(p.numel() for p in self._params),
+            self._cap_bytes,
+        )
 
     def can_shard_at_all(self) -> bool:
         """Whether gradients can be kept sharded: there are replicas to average."""
