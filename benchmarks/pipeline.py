@@ -108,8 +108,8 @@ def batch(step: int, args) -> torch.Tensor:
 
 
 class GPTWithLoss(GPT):
-    """The same GPT, whose forward returns the loss (--loss-in-model): what the README advises ("return
-    only what the step needs"), so the pipeline sends every rank a scalar instead of the logits, and
+    """The same GPT, whose forward returns the loss (--loss-in-model): what docs/pipeline.md advises
+    ("return only what the step needs"), so the pipeline sends every rank a scalar instead of the logits, and
     the step function on the other ranks computes no loss from them."""
 
     def forward(self, ids):
@@ -376,7 +376,7 @@ def main() -> None:
     parser.add_argument(
         "--loss-in-model",
         action="store_true",
-        help="smp's model returns the loss instead of the logits (the README's advice: the pipeline "
+        help="smp's model returns the loss instead of the logits (docs/pipeline.md's advice: the pipeline "
         "then sends every rank a scalar, and no other rank computes the loss); the torch contestants "
         "are unchanged (their loss_fn runs on the last stage only)",
     )

@@ -1,4 +1,4 @@
-"""Two-process demo of the "smp" c10d backend (the README's main job for now).
+"""Two-process demo of the "smp" c10d backend (docs/backend.md; the main job is train_gpt2.py).
 
     torchrun --standalone --nproc_per_node=2 examples/backend_demo.py
 

@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
         "--log-every",
         type=int,
         default=10,
-        help="steps between loss logs (the only steps that wait for the loss: see README, performance)",
+        help="steps between loss logs (the only steps that wait for the loss: docs/shapes_and_compile.md)",
     )
     train.add_argument(
         "--dynamic-padding",

@@ -8,7 +8,7 @@ reduce-scattered as its backward ends. Where sdp is smaller than the data-parall
 mesh is two-dimensional (FSDP2's hybrid sharding): sdp groups shard, and the ranks holding the
 same shard in each sdp group average their gradients.
 
-SMP v1's knobs map to FSDP2's (config.py, README):
+SMP v1's knobs map to FSDP2's (config.py, docs/sdp.md):
 - bf16 (fp16): MixedPrecisionPolicy(param_dtype=bf16 (fp16), reduce_dtype=fp32): the sharded
   parameters stay fp32 (they are the master weights), only gathered copies are half precision;
   fp16's loss scaling is the DistributedOptimizer's, on the fp32 sharded gradients;
