@@ -184,8 +184,9 @@ def sdp_problem(layout: Layout) -> str:
         )
     if layout.fp16:
         return (
-            f"{SDP_KEY} {n}: smp's sharded data parallelism runs in fp32 or bf16, not fp16; "
-            'set "bf16": true instead of "fp16", or sharded_data_parallel_degree to 1'
+            f"{SDP_KEY} {n}: the planner does not model fp16 under sharded data parallelism (smp runs "
+            'it, with fp32 shards and loss scaling, as bf16\'s memory); plan it with "bf16": true, '
+            "or set sharded_data_parallel_degree to 1"
         )
     if layout.pp > 1 and schedules.Schedule(layout.pipeline, layout.pp, 1, 1).splits_backward:
         return (

@@ -12,8 +12,8 @@ time (step_time.py). The seed stopped at the first configuration that fits; that
    - sharded data parallelism (sdp, in place of the sharded optimizer state, checkpointing kept),
      every degree dividing rdp, degrees whose group stays inside a node first, each kind smallest
      first. Not where the layers themselves do not fit one GPU (even sdp = rdp does not fit: what
-     is left is per layer, which only tensor parallelism cuts), nor under fp16 (smp's sdp runs in
-     fp32 or bf16);
+     is left is per layer, which only tensor parallelism cuts), nor under fp16 (the seeds' fp16 jobs
+     keep SMP v1's sharded optimizer state; plan bf16 to consider sdp);
    - tensor parallelism: a power of two (2, 4, 8, ...) at most the GPUs per node, dividing the
      attention heads (and key/value heads), with prescaled_batch on; then sdp over the largest
      TP layout.
