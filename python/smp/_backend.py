@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import smp._C as _C
+from smp import attempt
 
 BACKEND_NAME = "smp"
 
@@ -53,11 +54,13 @@ def _create_backend(opts, backend_options) -> _C.SmpBackend:
             "configure it through SMP_NCCL_THROTTLE_LIMIT and SMP_GLOO_THROTTLE_LIMIT"
         )
     rank, size, timeout = opts.group_rank, opts.group_size, opts.timeout
-    # Separate key spaces: Gloo and NCCL both rendezvous over this store.
-    gloo = _create_gloo(dist.PrefixStore("gloo/", opts.store), rank, size, timeout, opts)
+    # Separate key spaces: Gloo and NCCL both rendezvous over this store, under this attempt's
+    # prefix (a store torchrun keeps across restarts still holds the dead attempt's addresses).
+    base = attempt.prefix()
+    gloo = _create_gloo(dist.PrefixStore(f"{base}gloo/", opts.store), rank, size, timeout, opts)
     nccl = None
     if _cuda_usable():
-        nccl = _create_nccl(dist.PrefixStore("nccl/", opts.store), rank, size, timeout, opts)
+        nccl = _create_nccl(dist.PrefixStore(f"{base}nccl/", opts.store), rank, size, timeout, opts)
     return _C.SmpBackend(
         rank=rank,
         size=size,

@@ -23,7 +23,9 @@ import threading
 
 import torch.distributed as dist
 
-_FAILED_KEY = "smp/failed"
+from smp import attempt
+
+_FAILED_KEY = f"smp/{attempt.prefix()}failed"  # (an earlier attempt's report is not this one's)
 _installed = False
 _rank: int | None = None
 _timeout_seconds: float | None = None

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
             "ops",
             "_backend",
             "_checkout",
+            "attempt",
             "services",
         ],
         2,
