@@ -14,8 +14,12 @@ Rank 0 shows a progress bar (loss, tokens/s), writes `<out-dir>/log.csv` (one ro
 `<out-dir>/loss.png` at the end; with --timeline also `<out-dir>/timeline.json` (a Chrome
 trace of a few steps) and `<out-dir>/timeline.png` (the pipeline schedule as it ran). With
 --checkpoint-dir the job saves there every --save-every steps and at the end, and resumes from
-the newest checkpoint it finds. On machines with GPUs every rank uses its local GPU and the
-collectives go through NCCL.
+the newest checkpoint it finds: under `torchrun --max-restarts=N` a job that lost a rank comes
+back by itself and goes on from its last checkpoint, and a resume on fewer (or more) processes
+keeps the checkpoint's global batch (more microbatches per rank), reading exactly the batches an
+uninterrupted run would have read (each step's global batch is a function of the seed and the
+step alone, each data-parallel rank taking its rows of it). On machines with GPUs every rank
+uses its local GPU and the collectives go through NCCL.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ def parse_args() -> argparse.Namespace:
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=300)
     train.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank and step")
+    train.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step over every data-parallel rank (default: --batch-size x their number; "
+        "a resumed run keeps its checkpoint's)",
+    )
     train.add_argument("--seq-len", type=int, default=64)
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
@@ -108,29 +119,64 @@ def build_model(args):
     return model
 
 
-def batches(data: torch.Tensor, seq_len: int, batch_size: int, seed: int):
-    """Random windows of the byte stream, a different stream per data-parallel rank."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=g)
-        yield torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+def batch_at(data: torch.Tensor, seq_len: int, global_batch: int, seed: int, step: int, rows: slice):
+    """Step `step`'s global batch (random windows of the byte stream, a function of the seed and the
+    step alone), rows `rows` of it: this data-parallel rank's."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq_len, (global_batch,), generator=g)[rows]
+    return torch.stack([data[s : s + seq_len] for s in starts.tolist()])
 
 
-def padded_batches(data: torch.Tensor, seq_len: int, batch_size: int, seed: int, lengths_seed: int):
-    """Rows of varied lengths (seq_len/4 to seq_len, as documents are), each batch right-padded to
-    its longest row (tokenizer padding='longest'): (ids, attention mask, labels with -100 on pads).
+def padded_batch_at(data: torch.Tensor, seq_len: int, global_batch: int, seed: int, step: int, rows: slice):
+    """As batch_at, rows of varied lengths (seq_len/4 to seq_len, as documents are), the batch
+    right-padded to its longest row (tokenizer padding='longest'): (ids, attention mask, labels with
+    -100 on pads). The lengths are the global batch's, the same on every rank: a tensor-parallel
+    group runs its ranks' batches concatenated, so they must agree on every dim but the batch."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    lengths = torch.randint(seq_len // 4, seq_len + 1, (global_batch,), generator=g)
+    longest = int(lengths.max())
+    starts = torch.randint(0, len(data) - longest, (global_batch,), generator=g)[rows]
+    ids = torch.stack([data[s : s + longest] for s in starts.tolist()])
+    mask = (torch.arange(longest) < lengths[rows, None]).long()
+    return ids * mask, mask, ids.masked_fill(mask == 0, -100)
 
-    The lengths come from `lengths_seed`, the same on every rank: a tensor-parallel group runs
-    its ranks' batches concatenated, so they must agree on every dim but the batch."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.Generator().manual_seed(lengths_seed)
-    while True:
-        lengths = torch.randint(seq_len // 4, seq_len + 1, (batch_size,), generator=shared)
-        longest = int(lengths.max())
-        starts = torch.randint(0, len(data) - longest, (batch_size,), generator=g)
-        ids = torch.stack([data[s : s + longest] for s in starts.tolist()])
-        mask = (torch.arange(longest) < lengths[:, None]).long()
-        yield ids * mask, mask, ids.masked_fill(mask == 0, -100)
+
+def sizes(args, world: int) -> tuple[int, int, int]:
+    """(global batch, this rank's batch, microbatches): a resumed run keeps its checkpoint's global
+    batch and microbatch size, whatever the number of processes now (more microbatches per rank
+    on fewer ranks)."""
+    dp = world // args.pp  # data-parallel ranks: the tensor-parallel ones each read their own rows
+    saved = smp.checkpoint.newest_user_content(args.checkpoint_dir) if args.checkpoint_dir else None
+    if saved is not None:
+        global_batch, microbatch = saved["global_batch"], saved["microbatch_size"]
+    else:
+        global_batch = args.global_batch or args.batch_size * dp
+        microbatch = None
+    if global_batch % dp:
+        raise SystemExit(
+            f"the global batch of {global_batch} does not split over {dp} data-parallel ranks "
+            f"({world} processes / --pp {args.pp}); use a number of processes that divides it"
+        )
+    batch = global_batch // dp
+    microbatches = args.microbatches if microbatch is None else batch // microbatch
+    if microbatches < 1 or batch % microbatches or (microbatch and batch % microbatch):
+        raise SystemExit(
+            f"a rank's batch of {batch} does not split into microbatches of "
+            f"{microbatch or batch // max(microbatches, 1)}; change --microbatches or the number of processes"
+        )
+    return global_batch, batch, microbatches
+
+
+def layouts_for(world: int) -> str:
+    """The --pp/--tp choices that use `world` processes (tp a power of two, pp dividing the rest)."""
+    options = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            if world % (pp * tp) == 0:
+                options.append(
+                    f"--pp {pp} --tp {tp}" + (f" --rdp {world // (pp * tp)}" if pp * tp < world else "")
+                )
+    return "; ".join(options[:6])
 
 
 def main() -> None:
@@ -141,13 +187,14 @@ def main() -> None:
         need = args.pp * args.tp * rdp
         raise SystemExit(
             f"--pp {args.pp} x --tp {args.tp} x --rdp {rdp} = {need} processes, but torchrun started "
-            f"{world}; set --nproc_per_node={need} or change the degrees"
+            f"{world}; set --nproc_per_node={need} or change the degrees (for {world}: {layouts_for(world)})"
         )
+    global_batch, batch_size, microbatches = sizes(args, world)
     smp.init(
         {
             "pipeline_parallel_degree": args.pp,
             "tensor_parallel_degree": args.tp,
-            "microbatches": args.microbatches,
+            "microbatches": microbatches,
             "pipeline": args.schedule,
             "ddp": True,
             "shard_optimizer_state": args.shard_optimizer_state,
@@ -178,8 +225,8 @@ def main() -> None:
     )
 
     start = 0
-    if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "newest")):
-        user = smp.resume_from_checkpoint(args.checkpoint_dir)
+    user = smp.resume_from_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    if user is not None:  # (None: nothing saved yet, a fresh start)
         start = user["step"]
         schedule.load_state_dict(user["schedule"])
 
@@ -190,13 +237,20 @@ def main() -> None:
         return out.loss
 
     data = torch.frombuffer(bytearray(Path(args.corpus).read_bytes()), dtype=torch.uint8).long()
-    # SMP's advice: seed data order by dp_rank; a tensor-parallel group reads dp_size batches at once.
-    seed = args.seed * 1000 + smp.dp_rank() + 7919 * start
+    # This data-parallel rank's rows of each step's global batch (SMP's advice: data by dp_rank).
+    rows = slice(smp.dp_rank() * batch_size, (smp.dp_rank() + 1) * batch_size)
     if args.dynamic_padding:
-        stream = padded_batches(data, args.seq_len, args.batch_size, seed, args.seed + 7919 * start)
+        stream = (
+            padded_batch_at(data, args.seq_len, global_batch, args.seed, step, rows)
+            for step in range(start, args.steps)
+        )
     else:
         stream = (
-            (ids, torch.ones_like(ids), ids) for ids in batches(data, args.seq_len, args.batch_size, seed)
+            (ids, torch.ones_like(ids), ids)
+            for ids in (
+                batch_at(data, args.seq_len, global_batch, args.seed, s, rows)
+                for s in range(start, args.steps)
+            )
         )
     log, bar = _open_log(args, start, n_params, rdp)
     # The loss stays on the device between logs: reading it (.item()) waits for the step to finish,
@@ -233,7 +287,12 @@ def main() -> None:
                 tag=f"step_{done}",
                 model=model,
                 optimizer=optimizer,
-                user_content={"step": done, "schedule": schedule.state_dict()},
+                user_content={
+                    "step": done,
+                    "schedule": schedule.state_dict(),
+                    "global_batch": global_batch,
+                    "microbatch_size": batch_size // microbatches,
+                },
             )
     smp.barrier()
     if bar is not None:
@@ -279,7 +338,7 @@ def _open_log(args, start: int, n_params: int, rdp: int):
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"GPT-2 {n_params / 1e6:.2f}M parameters, pp={args.pp} tp={args.tp} rdp={rdp} sdp={args.sdp}, "
-        f"{args.microbatches} microbatches ({args.schedule}), on {device_name()}",
+        f"{smp.num_microbatches()} microbatches ({args.schedule}), on {device_name()}",
         flush=True,
     )
     handle = open(out / "log.csv", "a" if start else "w", newline="", buffering=1)  # noqa: SIM115

@@ -66,6 +66,7 @@ from smp.parallel_state import (
 from smp.pipeline.partitioning import partition, set_partition
 from smp.planner import plan as plan  # the config planner (python -m smp.plan is smp/plan.py)
 from smp.services.timeline import write as write_timeline
+from smp.state.rank_state import register as register_stateful
 from smp.step import StepOutput, step
 from smp.tensor_parallel.marks import set_tensor_parallelism
 from smp.tensor_parallel.registration import tp_register, tp_register_with_module
@@ -141,6 +142,7 @@ __all__ = [
     "is_initialized",
     "is_tracing",
     "model_creation",
+    "register_stateful",
     "state",
     "load",
     "resume_from_checkpoint",

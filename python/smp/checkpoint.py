@@ -31,11 +31,7 @@ from typing import Any
 import torch
 
 from smp import comm, parallel_state
-from smp.state import layout_free, model_state, safe_load, storage
-
-_NEWEST = "newest"
-_INCOMPLETE = ".incomplete"
-_REPLACED = ".replaced"
+from smp.state import folders, layout_free, model_state, rank_state, safe_load, storage
 
 
 def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> None:
@@ -89,8 +85,8 @@ def save_checkpoint(
     del translate_if_full  # smp's checkpoints already use the original module's keys
     wait_for_checkpoint()
     model = model if model is not None else parallel_state.state().model
-    final = os.path.join(path, _folder(tag, partial))
-    folder = final + _INCOMPLETE  # nothing here counts until rank 0 renames it
+    final = os.path.join(path, folders.folder(tag, partial))
+    folder = final + folders.INCOMPLETE  # nothing here counts until rank 0 renames it
     if parallel_state.rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)  # left by a save that was killed
         os.makedirs(folder)
@@ -99,7 +95,8 @@ def save_checkpoint(
     metas: list[Any] = [None] * parallel_state.size()
     torch.distributed.all_gather_object(metas, meta)  # small: hyperparameters and plain values
     keep = num_kept_partial_checkpoints
-    job = _SaveJob(path, tag, partial, folder, final, keep, tensors, _merge_meta(metas), user_content)
+    ranked = rank_state.capture(_layout())  # (now: the generators as this step leaves them)
+    job = _SaveJob(path, tag, partial, folder, final, keep, tensors, _merge_meta(metas), user_content, ranked)
     if not async_save:
         job.run(None)
         return None
@@ -156,6 +153,7 @@ class _SaveJob:
     tensors: dict[str, Any]
     meta: dict
     user_content: Any
+    ranked: dict  # this rank's generators and registered objects
 
     def run(self, group) -> None:
         """Writes the files, then (rank 0, once every rank's are synced) publishes the checkpoint.
@@ -165,6 +163,7 @@ class _SaveJob:
         else:
             storage.save_whole(self.tensors, self.folder, group)
         rank0 = torch.distributed.get_rank() == 0
+        storage.write(self.ranked, _rank_file(self.folder, torch.distributed.get_rank()))
 
         def barrier() -> None:
             comm.barrier() if group is None else torch.distributed.barrier(group=group)
@@ -174,10 +173,10 @@ class _SaveJob:
             storage.write(self.user_content, os.path.join(self.folder, _USER_CONTENT))
         barrier()  # every rank's files are written and synced
         if rank0:
-            _publish(self.folder, self.final)
-            _replace_text(os.path.join(self.path, _NEWEST), self.tag)
+            folders.publish(self.folder, self.final)
+            folders.replace_text(os.path.join(self.path, folders.NEWEST), self.tag)
             if self.partial and self.keep:
-                _prune(self.path, self.tag, self.keep)
+                folders.prune(self.path, self.tag, self.keep)
         barrier()
 
 
@@ -193,7 +192,11 @@ def resume_from_checkpoint(
 ) -> Any:
     """Loads a checkpoint written by save_checkpoint (the newest when tag is None) into the
     DistributedModel and its DistributedOptimizer, whatever layout wrote it; returns the user
-    content. Files hold tensors and plain containers; user content may also hold numpy values and
+    content, or None when `path` holds no checkpoint yet (a fresh start: a script resumes with
+    this one call, under `torchrun --max-restarts` too). A save that a kill left incomplete is
+    never read (a warning names it). Each rank's random number generators and registered
+    objects (smp.register_stateful: data positions) are put back (smp.state.rank_state).
+    Files hold tensors and plain containers; user content may also hold numpy values and
     transformers configurations (smp.state.safe_load); other objects need `weights_only=False`
     (trusted files only: unpickling them may run code).
 
@@ -208,16 +211,12 @@ def resume_from_checkpoint(
             "smp.resume_from_checkpoint: create smp.DistributedModel and smp.DistributedOptimizer first"
         )
     if tag is None:
-        newest = os.path.join(path, _NEWEST)
-        if not os.path.exists(newest):
-            raise FileNotFoundError(
-                f"smp.resume_from_checkpoint: no checkpoint in {path} ({newest} is missing)"
-            )
-        with open(newest) as f:
-            tag = f.read().strip()
-    folder = os.path.join(path, _folder(tag, partial))
-    if not os.path.exists(folder) and os.path.exists(folder + _REPLACED):
-        folder += _REPLACED  # a save of the same tag was killed between its two renames
+        tag = folders.newest_tag(path, "smp.resume_from_checkpoint")
+        if tag is None:
+            return None  # a fresh start: nothing saved yet
+    folder = os.path.join(path, folders.folder(tag, partial))
+    if not os.path.exists(folder) and os.path.exists(folder + folders.REPLACED):
+        folder += folders.REPLACED  # a save of the same tag was killed between its two renames
     if not partial and os.path.isfile(folder):
         # SMP also resumed a full checkpoint that is one state_dict file, `path/tag`: transformers'
         # Trainer resumes its pytorch_model.bin this way (with load_optimizer=False).
@@ -228,7 +227,7 @@ def resume_from_checkpoint(
         return None
     meta_file = os.path.join(folder, _META)
     if not os.path.exists(meta_file):
-        other = os.path.join(path, _folder(tag, not partial))
+        other = os.path.join(path, folders.folder(tag, not partial))
         hint = f" ({other} exists: pass partial={not partial})" if os.path.exists(other) else ""
         raise FileNotFoundError(f"smp.resume_from_checkpoint: {meta_file} does not exist{hint}")
     meta = safe_load.load(meta_file, None, True, "smp.resume_from_checkpoint")
@@ -236,6 +235,7 @@ def resume_from_checkpoint(
         os.path.join(folder, _USER_CONTENT), None, weights_only, "smp.resume_from_checkpoint"
     )
     source = storage.Reader(folder, whole=not partial)  # opened now: a torn folder fails here
+    _restore_rank_state(folder, weights_only)
 
     def apply(model, optimizer) -> None:
         places = model.engine.state.places()
@@ -257,10 +257,45 @@ def resume_from_checkpoint(
     return user_content
 
 
+def newest_user_content(path: str, weights_only: bool = True) -> Any:
+    """The user content of the newest complete checkpoint in `path` (None if there is none),
+    read without a model: a script can size its run from it before smp.init (the main job keeps
+    its global batch when it resumes on another number of processes)."""
+    tag = folders.newest_tag(path, "smp.checkpoint.newest_user_content")
+    if tag is None:
+        return None
+    for partial in (True, False):
+        filename = os.path.join(path, folders.folder(tag, partial), _USER_CONTENT)
+        if os.path.exists(filename):
+            return safe_load.load(filename, None, weights_only, "smp.checkpoint.newest_user_content")
+    return None
+
+
 # --- what a checkpoint holds -----------------------------------------------------------------
 
 _META = "smp_meta.pt"
 _USER_CONTENT = "user_content.pt"
+
+
+def _rank_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank_{rank}.pt")
+
+
+def _layout() -> tuple:
+    topology = parallel_state.state().topology
+    return (topology.world_size, topology.pp, topology.tp, topology.sdp, topology.order)
+
+
+def _restore_rank_state(folder: str, weights_only: bool) -> None:
+    """This rank's generators and registered objects (smp.state.rank_state), where saved."""
+    first = _rank_file(folder, 0)
+    if not os.path.exists(first):
+        return  # (a checkpoint written before ranks kept state)
+    own = _rank_file(folder, parallel_state.rank())
+    read = lambda f: safe_load.load(f, None, weights_only, "smp.resume_from_checkpoint")  # noqa: E731
+    rank_state.restore(read(own) if os.path.exists(own) else None, read(first), _layout())
+
+
 _MODEL = storage.MODEL_PREFIX
 
 
@@ -312,50 +347,5 @@ def _model_destinations(model, places, source, strict: bool) -> dict[str, Any]:
     return {_MODEL + k: v for k, v in wanted.items() if k in stored}
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(folder: str, final: str) -> None:
-    """Renames the complete `folder` to `final`; an older `final` (the same tag saved again) is
-    moved aside first and removed after, so one of the two exists at every moment."""
-    replaced = final + _REPLACED
-    shutil.rmtree(replaced, ignore_errors=True)
-    if os.path.exists(final):
-        os.rename(final, replaced)
-    os.rename(folder, final)
-    _fsync_dir(os.path.dirname(final) or ".")
-    shutil.rmtree(replaced, ignore_errors=True)
-
-
-def _replace_text(filename: str, text: str) -> None:
-    """Writes a small file atomically: a reader sees the old content or the new, never a part."""
-    tmp = filename + _INCOMPLETE
-    with open(tmp, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, filename)
-    _fsync_dir(os.path.dirname(filename) or ".")
-
-
-def _folder(tag: str, partial: bool) -> str:
-    return f"{tag}_partial" if partial else tag
-
-
 def _partial_name(f: str) -> str:
     return f"{f}_{parallel_state.mp_rank()}"
-
-
-def _prune(path: str, newest: str, keep: int) -> None:
-    """Deletes the oldest partial checkpoints beyond `keep` (by the order they were written)."""
-    ledger = os.path.join(path, "partial_checkpoints")
-    tags = open(ledger).read().split() if os.path.exists(ledger) else []
-    tags = [t for t in tags if t != newest] + [newest]
-    _replace_text(ledger, "\n".join(tags[-keep:]))  # first: a kill now only leaves extra folders
-    for old in tags[:-keep]:
-        shutil.rmtree(os.path.join(path, _folder(old, True)), ignore_errors=True)

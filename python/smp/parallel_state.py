@@ -23,6 +23,7 @@ from smp._backend import BACKEND_NAME
 from smp.config_options import check_timeout
 from smp.groups import ParallelGroups
 from smp.services import microbatch, timeline
+from smp.state import rank_state
 from smp.topology import CommGroup, Topology
 
 
@@ -240,6 +241,7 @@ def reset(keep_groups: bool = False) -> None:
     if _state.checkpoint_group is not None:
         dist.destroy_process_group(_state.checkpoint_group)
     timeline.stop()
+    rank_state.forget()
     if keep_groups:
         key = (_state.topology, group_timeout_of(_state.config))
         _kept[key] = (_state.process_groups, _state.messaging_group)

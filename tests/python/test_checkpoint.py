@@ -152,11 +152,12 @@ def test_any_layout_resumes_on_any_other(tmp_path):
     print(results)
 
 
-def test_missing_checkpoint_is_a_clear_error(tmp_path):
+def test_no_checkpoint_is_a_fresh_start_and_a_missing_tag_a_clear_error(tmp_path):
     import pytest
 
-    for message in run_ranks(_missing, 2, str(tmp_path), timeout=120):
-        assert "no checkpoint in" in message and "newest" in message, message
+    for fresh, message in run_ranks(_missing, 2, str(tmp_path), timeout=120):
+        assert fresh is None  # no checkpoint yet: a fresh start (issue 49)
+        assert "does not exist" in message and "step_9" in message, message
     with pytest.raises(FileNotFoundError, match="does not exist"):
         import smp.checkpoint
 
@@ -169,9 +170,10 @@ def _missing(rank, world_size, folder):
     smp.init({"pipeline_parallel_degree": 2})
     _build(smp)
     try:
-        smp.resume_from_checkpoint(folder)
+        fresh = smp.resume_from_checkpoint(folder)
+        smp.resume_from_checkpoint(folder, tag="step_9")
     except FileNotFoundError as err:
-        return str(err)
+        return fresh, str(err)
     finally:
         smp.parallel_state.reset()
-    return "no error"
+    return fresh, "no error"

@@ -14,7 +14,7 @@ from harness import run_ranks
 from torch import nn
 
 TAGS = ["t1", "t2", "t1", "t3", "t4"]  # t1 twice: saving a tag again replaces it
-EXPECTED = {".metadata", "__0_0.distcp", "smp_meta.pt", "user_content.pt"}  # DCP's files, then smp's
+EXPECTED = {".metadata", "__0_0.distcp", "smp_meta.pt", "user_content.pt", "rank_0.pt"}  # DCP's, then smp's
 
 
 def _saving_child(folder: str, kill_at: int) -> None:

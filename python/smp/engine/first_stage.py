@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from smp import faults
 from smp.groups import ParallelGroups
 
 
@@ -33,7 +34,9 @@ def arguments(args: tuple, kwargs: dict, groups: ParallelGroups, device: torch.d
     # stage whose arguments do not match makes every stage raise, not the others wait for it).
     mine = ([(tuple(leaves[i].shape), leaves[i].dtype) for i in at] if first else None, len(at))
     told: list = [None] * groups.pp_size
-    dist.all_gather_object(told, mine, group=groups.pp)
+    where = faults.group_of("pipeline", groups.pp)
+    with faults.waiting("the step's inputs from the first pipeline stage", where):
+        dist.all_gather_object(told, mine, group=groups.pp)
     shapes = told[0][0]
     counts = [count for _, count in told]
     if len(set(counts)) > 1:
@@ -44,8 +47,9 @@ def arguments(args: tuple, kwargs: dict, groups: ParallelGroups, device: torch.d
             "their number must match"
         )
     source = groups.pp_ranks[0]
-    for i, (shape, dtype) in zip(at, shapes, strict=True):
-        tensor = leaves[i] if first else torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(tensor, src=source, group=groups.pp)
-        leaves[i] = tensor
+    with faults.waiting("the step's inputs from the first pipeline stage", where):
+        for i, (shape, dtype) in zip(at, shapes, strict=True):
+            tensor = leaves[i] if first else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=source, group=groups.pp)
+            leaves[i] = tensor
     return pytree.tree_unflatten(leaves, spec)

@@ -40,11 +40,12 @@ class Registration:
     init_hook: Callable | None
     forward_hook: Callable | None
     return_hook: Callable | None
-    original_new: Callable
     after_build: Callable[[nn.Module], None] | None = None  # (defaults: SMP's attribute paths)
 
 
 _registry: dict[type, Registration] = {}
+# Each class _new was installed on -> its own __new__ before that (None: it had none of its own).
+_own_new: dict[type, Callable | None] = {}
 _defaults: dict[type, Registration] = {}
 _built_by_default: set[type] = set()  # default registrations that replaced their class here
 
@@ -87,9 +88,9 @@ def register_default(module_cls, dist_module, hooks: tuple, after_build=None) ->
         return
     init_hook, forward_hook, return_hook = hooks
     _defaults[module_cls] = Registration(
-        module_cls, dist_module, init_hook, forward_hook, return_hook, module_cls.__new__, after_build
+        module_cls, dist_module, init_hook, forward_hook, return_hook, after_build
     )
-    module_cls.__new__ = _new
+    _install_new(module_cls)
 
 
 def tp_register(dist_module, init_hook=None, forward_hook=None, return_hook=None):
@@ -107,7 +108,7 @@ def tp_register_with_module(module_cls, dist_module, init_hook=None, forward_hoo
     for role, cls in (("module_cls", module_cls), ("dist_module", dist_module)):
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"smp.tp_register: {role} must be an nn.Module subclass, got {cls!r}")
-    default = _drop_defaults(module_cls)
+    _drop_defaults(module_cls)
     if module_cls in _registry:
         raise ValueError(
             f"smp.tp_register: {module_cls.__qualname__} is already registered to "
@@ -126,25 +127,17 @@ def tp_register_with_module(module_cls, dist_module, init_hook=None, forward_hoo
                 f"smp.tp_register: return_hook {_describe(return_hook)} must take one argument, the "
                 f"distributed module's output, and return what {module_cls.__qualname__}.forward returns"
             ) from None
-    original_new = module_cls.__new__ if default is None else default.original_new
     _adapters.pop(module_cls, None)
-    _registry[module_cls] = Registration(
-        module_cls, dist_module, init_hook, forward_hook, return_hook, original_new
-    )
-    module_cls.__new__ = _new
+    _registry[module_cls] = Registration(module_cls, dist_module, init_hook, forward_hook, return_hook)
+    _install_new(module_cls)
 
 
-def _drop_defaults(module_cls: type) -> Registration | None:
+def _drop_defaults(module_cls: type) -> None:
     """A user's registration of a class ends the default registrations of its model (the classes of
-    its module: registering GPT2Block keeps GPT2LMHeadModel from being replaced whole). Returns
-    the class's own default registration, if it had one."""
-    own = None
+    its module: registering GPT2Block keeps GPT2LMHeadModel from being replaced whole)."""
     for cls in [c for c in _defaults if c.__module__ == module_cls.__module__]:
-        default = _defaults.pop(cls)  # (its __new__ stays _new, which now builds it as it is)
+        del _defaults[cls]  # (its __new__ stays _new, which now builds it as it is)
         _built_by_default.discard(cls)
-        if cls is module_cls:
-            own = default
-    return own
 
 
 def _describe(fn) -> str:
@@ -220,11 +213,19 @@ def _build_original(cls, args: tuple, kwargs: dict):
     return original(cls) if original is object.__new__ else original(cls, *args, **kwargs)
 
 
+def _install_new(cls: type) -> None:
+    """Routes the class's construction through _new (once; its own __new__ kept for building it)."""
+    if cls not in _own_new:
+        _own_new[cls] = cls.__dict__.get("__new__")
+        cls.__new__ = _new
+
+
 def _original_new(cls):
+    """The __new__ the class would have without smp: the first own one up its MRO."""
     for klass in cls.__mro__:
-        found = _registry.get(klass) or _defaults.get(klass)
-        if found is not None:
-            return found.original_new
+        own = _own_new[klass] if klass in _own_new else klass.__dict__.get("__new__")
+        if own is not None:
+            return own.__func__ if isinstance(own, staticmethod) else own
     return object.__new__
 
 
