@@ -68,33 +68,39 @@ def _trains_replaced(rank, world_size):
             "hf_path_is_smp_path": layers is built.transformer.seq_layers,
             "not_a_submodule": not any(".layers." in n or ".h." in n for n, _ in built.named_parameters()),
         }
-        model = smp.DistributedModel(built)
-        model.load_state_dict(translate(dense.state_dict()))
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-        reference = torch.optim.SGD(dense.parameters(), lr=0.5)
-
-        @smp.step
-        def train(model, ids, mask):
-            loss = model(input_ids=ids, attention_mask=mask, labels=ids)["loss"]
-            model.backward(loss)
-            return loss
-
-        errors, before = [], _loss(dense, 0)
-        for step in range(3):
-            ids, mask = _batch(step)
-            loss = train(model, ids, mask).reduce_mean()
-            optimizer.step()
-            optimizer.zero_grad()
-            want = dense(input_ids=ids, attention_mask=mask, labels=ids).loss
-            want.backward()
-            reference.step()
-            reference.zero_grad()
-            errors.append(abs(loss.item() - want.item()))
-        out[name]["loss_errors"] = errors
-        out[name]["moved"] = abs(before - _loss(dense, 0))  # how far training moved the model
+        out[name]["loss_errors"], out[name]["moved"] = _train_against(smp, built, dense, translate)
         smp.parallel_state.reset()
         smp.init({"tensor_parallel_degree": 2, "ddp": True})
     return out
+
+
+def _train_against(smp, built, dense, translate=lambda state: state) -> tuple[list[float], float]:
+    """`built` in a DistributedModel, loaded with the dense model's (translated) state, and the dense
+    model trained 3 SGD steps side by side: the loss errors, and how far training moved the dense
+    model's loss on the first batch."""
+    model = smp.DistributedModel(built)
+    model.load_state_dict(translate(dense.state_dict()))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    reference = torch.optim.SGD(dense.parameters(), lr=0.5)
+
+    @smp.step
+    def train(model, ids, mask):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    errors, before = [], _loss(dense, 0)
+    for step in range(3):
+        ids, mask = _batch(step)
+        got = train(model, ids, mask).reduce_mean()
+        optimizer.step()
+        optimizer.zero_grad()
+        want = dense(input_ids=ids, attention_mask=mask, labels=ids).loss
+        want.backward()
+        reference.step()
+        reference.zero_grad()
+        errors.append(abs(got.item() - want.item()))
+    return errors, abs(before - _loss(dense, 0))
 
 
 def _loss(dense, step):
@@ -256,29 +262,8 @@ def _delayed_captured(rank, world_size):
     dense = transformers.AutoModelForCausalLM.from_config(_neox_config())
     with smp.model_creation(tensor_parallelism=True, distributed_transformer=False):
         built = transformers.AutoModelForCausalLM.from_config(_neox_config())
-    model = smp.DistributedModel(built)
-    model.load_state_dict(dense.state_dict())  # applied once partitioned (SMP's rule)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-    reference = torch.optim.SGD(dense.parameters(), lr=0.5)
-
-    @smp.step
-    def train(model, ids, mask):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids)["loss"]
-        model.backward(loss)
-        return loss
-
-    errors, before = [], _loss(dense, 0)
-    for step in range(3):
-        ids, mask = _batch(step)
-        got = train(model, ids, mask).reduce_mean()
-        optimizer.step()
-        optimizer.zero_grad()
-        want = dense(input_ids=ids, attention_mask=mask, labels=ids).loss
-        want.backward()
-        reference.step()
-        reference.zero_grad()
-        errors.append(abs(got.item() - want.item()))
-    return {"type": type(built).__name__, "errors": errors, "moved": abs(before - _loss(dense, 0))}
+    errors, moved = _train_against(smp, built, dense)  # (loaded before the first step: SMP's rule)
+    return {"type": type(built).__name__, "errors": errors, "moved": moved}
 
 
 def test_delayed_model_with_computed_buffers_is_captured_and_trains_as_the_dense_model():
