@@ -203,6 +203,13 @@ def _context():
     # The fork server is started with this environment (it does not take sys.path over).
     python_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     os.environ["PYTHONPATH"] = os.pathsep.join(_PATHS + [p for p in python_path if p and p not in _PATHS])
+    import torch
+
+    if torch.cuda.is_available():
+        # On a GPU machine the fork server's children start with CUDA marked unusable ("Cannot
+        # re-initialize CUDA in forked subprocess", seen on an H200 under Python 3.12): each rank
+        # is spawned, paying its imports (seconds; the GPU machines have the cores for it).
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the first run_ranks
     return ctx
