@@ -23,6 +23,10 @@ def _saving_child(folder: str, kill_at: int) -> None:
     are counted by their fsyncs)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a plain process: smp runs as a world of one
+    # The thread pools were inherited from the parent mid-flight: rebuild them on this thread
+    # before backward starts autograd's worker, whose own set_num_threads otherwise races this
+    # thread's first parallel op over the pool ("Invalid thread pool!", SIGABRT: seen in CI).
+    torch.set_num_threads(1)
     import smp
     from smp.state import storage as checkpoint_storage
 
