@@ -1,4 +1,4 @@
-"""Microbatches of one step that run different programs, on 2 pipeline ranks (smp.pipeline.lookahead).
+"""Microbatches of one step that run different programs, on 2 pipeline ranks (smp.pipeline.messages).
 
 Each stage posts its next forward's and next backward's receives a microbatch ahead, in the layout
 of the program it ran. Here the step function trims each microbatch to its own length (the

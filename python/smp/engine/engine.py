@@ -72,7 +72,7 @@ class Engine:
         self.state_keys = list(module.state_dict(keep_vars=True).keys())  # tied tensors under each name
         self._call_defaults = hf.call_defaults(module)
         self.plan: Plan | None = None
-        self.programs = Programs(module, config, groups, trace_execution_times)
+        self.programs = Programs(module, config, groups, trace_execution_times, self._device)
         self.grad_sync: GradSync | None = None  # the gradient averaging, once the model is placed
         # Sharded data parallelism (FSDP2 shards the parameters and averages the gradients).
         self.sharded_data: ShardedModel | None = None
@@ -245,10 +245,20 @@ class Engine:
         self._checkpointing.before_backward(mb.index)
         if self.captures:
             mb.runtime.backward(mb.index, tensors, grads, self.schedule.splits_backward, mb.pause)
+            mb.action_done()  # its sends go out now, not when the step function returns
             return
         roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+
+    @property
+    def ordered_messages(self) -> bool:
+        """Whether the pipeline's messages take the ordered path (smp.pipeline.messages)."""
+        return self.programs.messages.ordered
+
+    def transfer(self, action, microbatches: list[Microbatch]) -> None:
+        """Runs one transfer of the executor's actions (smp.pipeline.messages)."""
+        self.programs.messages.run(action, microbatches)
 
     def backward_weights(self, mb: Microbatch, stage: int) -> None:
         """A split-backward schedule's W action: microbatch mb's deferred weight gradients on
