@@ -13,6 +13,7 @@ engine what they need through its public methods.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -256,9 +257,10 @@ class Engine:
         """Whether the pipeline's messages take the ordered path (smp.pipeline.messages)."""
         return self.programs.messages.ordered
 
-    def transfer(self, action, microbatches: list[Microbatch]) -> None:
-        """Runs one transfer of the executor's actions (smp.pipeline.messages)."""
-        self.programs.messages.run(action, microbatches)
+    def transfers(self, microbatches: list[Microbatch]) -> Callable[[Any], None]:
+        """What runs one transfer of the executor's actions in a step of these microbatches
+        (smp.pipeline.messages)."""
+        return functools.partial(self.programs.messages.run, microbatches=microbatches)
 
     def backward_weights(self, mb: Microbatch, stage: int) -> None:
         """A split-backward schedule's W action: microbatch mb's deferred weight gradients on

@@ -54,7 +54,8 @@ def run(
     if inline and recorder is None and schedule.num_ranks == 1:
         return _run_inline(microbatches, engine, pp_rank)
     actions = _actions(schedule, pp_rank, engine)
-    transfer = (lambda action: engine.transfer(action, microbatches)) if engine is not None else None
+    pipelined = engine is not None and schedule.num_ranks > 1  # (only then are there transfers)
+    transfer = engine.transfers(microbatches) if pipelined else None
     # With the timeline on, control comes back here after every action, to time it.
     turns = Turns(actions, microbatches, chain=recorder is None, transfer=transfer)
     position = 0

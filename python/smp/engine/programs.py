@@ -23,6 +23,7 @@ from smp.engine.plan import Flags, Plan, make_plan
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline.messages import Messages, ordered_path
+from smp.pipeline.wire import Wire
 from smp.services.activation_meter import SavedActivationMeter
 
 _TRAINING = operator.attrgetter("training")
@@ -52,9 +53,8 @@ class Programs:
         # different ones).
         ordered = ordered_path(config.ordered_messages, device) if groups.pp_size > 1 else False
         stage_ranks = config.schedule().stage_ranks
-        self.messages = Messages(
-            groups.pp, list(groups.pp_ranks), stage_ranks, groups.pp_rank, device, ordered
-        )
+        wire = Wire(groups.pp, list(groups.pp_ranks), stage_ranks, groups.pp_rank, device, ordered)
+        self.messages = Messages(wire)
 
     def plan(
         self,

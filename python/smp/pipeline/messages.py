@@ -27,7 +27,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from smp import faults
 from smp.pipeline.bundles import Message
@@ -54,17 +53,11 @@ def ordered_path(ordered_messages: bool | None, device: torch.device) -> bool:
 
 
 class Messages:
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        group_ranks: list[int],
-        stage_ranks: tuple[int, ...],
-        rank: int,
-        device: torch.device,
-        ordered: bool = False,
-    ):
-        self.wire = Wire(group, group_ranks, stage_ranks, rank, device, ordered)
-        self.ordered, self.rank, self.device = ordered, rank, device
+    """`wire`: the rank's point-to-point operations, on the tagged or the ordered path."""
+
+    def __init__(self, wire: Wire):
+        self.wire = wire
+        self.ordered, self.rank, self.device = wire.ordered, wire.rank, wire.device
         self.local: dict[Message, torch.Tensor] = {}  # handed over between this rank's stages
         # (letter, k, receiving stage) -> sending stage -> (the program posted in, [(value, receive)])
         self._posted: dict[tuple[str, int, int], dict[int, tuple[Any, list]]] = {}

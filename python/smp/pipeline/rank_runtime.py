@@ -23,6 +23,7 @@ from smp.passes import PipelineGraph
 from smp.pipeline.bundles import Bundles
 from smp.pipeline.messages import Messages
 from smp.pipeline.stage import StageRuntime
+from smp.pipeline.wire import Wire
 from smp.services import activation_meter
 
 
@@ -68,7 +69,7 @@ class RankRuntime:
         self.rank = rank
         stage_ranks = tuple(stage_ranks)
         if messages is None:
-            messages = Messages(group, group_ranks, stage_ranks, rank, device)
+            messages = Messages(Wire(group, group_ranks, stage_ranks, rank, device, ordered=False))
         self._messages = messages
         self.bundles = Bundles(pipe, stage_ranks, rank, microbatches)
         self.stages = [StageRuntime(pipe, s, self, messages) for s, r in enumerate(stage_ranks) if r == rank]

@@ -4,10 +4,11 @@ transfers (smp.schedules.transfers) placed among them. Two placements, one per m
 - tagged (Gloo, each message tagged by microbatch and value, so receives match in any order):
   Gloo moves a message only once its receive is posted (the sender announces it, the receiver
   answers, then the data flows), so a receive posted when its action starts costs a round trip
-  and the transfer on every action (3-7 % of a CPU step, docs/benchmarks.md). A stage's receives
-  for microbatch k + 1 are therefore posted at the end of its action of the same kind for k
-  (every schedule runs a stage's F, B and W in microbatch order), in the layout of k's program;
-  microbatch 0's just before its action. Sends follow the action that computes them.
+  and the transfer on every action (docs/benchmarks.md, "receives posted a microbatch ahead").
+  A stage's receives for microbatch k + 1 are therefore posted at the end of its action of the
+  same kind for k (every schedule runs a stage's F, B and W in microbatch order), in the layout
+  of k's program; microbatch 0's just before its action. Sends follow the action that computes
+  them.
 - ordered (NCCL, which matches a pair's operations by issue order; one tag on Gloo): both ends of
   every pair must post their messages in one order. Every message gets the unit-time slot of
   the action that sends it (smp.schedules.unit_time_slots); all messages are in one global order,
@@ -18,8 +19,9 @@ transfers (smp.schedules.transfers) placed among them. Two placements, one per m
   which holds even where one stream runs all of a rank's operations (smp.schedules.simulation
   replays it so).
 
-Both are made once per (schedule, rank, layout, path, whether the step runs backward) and checked
-for deadlock by simulating every rank's lowered list in unit time.
+Both are made once per (schedule, rank, layout, path, whether the step runs backward: a step
+without it has no gradient messages), by Schedule.program, and checked for deadlock by simulating
+every rank's lowered list in unit time (Schedule.check).
 """
 
 from __future__ import annotations

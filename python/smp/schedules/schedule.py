@@ -190,7 +190,7 @@ def rank_actions(
     stages r and 2p-1-r, each backward split into B and W as above. A rank holds at most
     2 * min(active_microbatches, p, m) stage-microbatches (F done, W not); each stage being half
     the size of a one-stage-per-rank stage, that is about the activations the first rank holds
-    under "interleaved", on every rank (measured: 0.94-1.07x its peak at p = 4, m = 8, 4 active).
+    under "interleaved", on every rank (docs/benchmarks.md, "ZB-V", measures it).
     With F = B = W = 1 unit per half-size stage, a step takes 6m + 1 units per rank at p = 2
     (m = 4: 25 slots against 1F1B's 30 of the same units; m = 8: 49 against 54) and 6m + 4 at
     p = 4, m = 8 (52 against 66).

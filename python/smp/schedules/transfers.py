@@ -18,6 +18,7 @@ in memory, the schedule running the sender first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 SENDS = ("SEND_F", "SEND_O", "SEND_B")
@@ -65,6 +66,7 @@ class Layout:
         )
 
     @staticmethod
+    @functools.lru_cache(maxsize=16)
     def complete(num_stages: int) -> Layout:
         """Every pair a split can exchange: any stage reading any earlier one, every stage computing
         outputs. A program's own layout is part of it, so its lowering serves every program: the
