@@ -93,10 +93,11 @@ def build(
         plan.device,
         messages,
     )
-    if groups.pp_size > 1:  # this program's messages, lowered, cannot deadlock (raises if they could)
+    if groups.pp_size > 1:  # the lists the executor runs (every pair), and this program's part
         ordered = messages is not None and messages.ordered
-        for with_gradients in (True, False):
-            schedule.check(layout_of(pipe), ordered, with_gradients)
+        for layout in (None, layout_of(pipe)):  # of them, cannot deadlock: raises if they could
+            for with_gradients in (True, False):
+                schedule.check(layout, ordered, with_gradients)
     if schedule.splits_backward:  # weight gradients wait for the schedule's W
         runtime.defer_weight_gradients()
     return Program(runtime, schedule, checkpointed)
