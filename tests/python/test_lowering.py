@@ -8,7 +8,7 @@ list for deadlock (smp.schedules.simulation), in one process.
   the model outputs after its last stage's F; sends follow their action. Ordered: every message
   in one order on both ends, by the unit-time slot of the action that sends it (rank 0: F0 F1 .
   B0 F2 B1 F3 B2 . B3; rank 1: . F0 B0 F1 B1 F2 B2 F3 B3), then the lower rank's sends first;
-  receives as early as that order allows.
+  receives as early as that order allows. `python -m smp.pipeline --lowered` prints the same.
 - test_evaluation_lowers_no_gradients: a step without backward posts no gradient messages.
 - test_every_kind_lowers_to_lists_the_simulation_accepts: every kind at p 2-4, m 1-5, both paths,
   with and without gradients, for the chain layout and the complete one (every pair a split can
@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from smp.schedules import KINDS, Action, Layout, Schedule, Transfer, lowering, simulation
+from smp.schedules import KINDS, Action, Layout, Schedule, Transfer, lowering, render, simulation
 
 _TOKEN = re.compile(r"(SEND|RECV)_([FOB])(\d+)([<>])(\d+)(\^?)|([FBW])(\d+)")
 
@@ -68,6 +68,8 @@ def test_one_f_one_b_p2_m4_lowered_by_hand(ordered, expected):
     for rank, text in enumerate(expected):
         assert list(schedule.program(rank, ordered, True, chain)) == _parse(text, rank), (ordered, rank)
     schedule.check(chain, ordered)
+    text = render.render_lowered(schedule, ordered)  # what `python -m smp.pipeline --lowered` prints
+    assert text == "\n".join(f"rank {r}: {line}" for r, line in enumerate(expected))
 
 
 def test_evaluation_lowers_no_gradients():

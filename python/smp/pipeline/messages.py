@@ -72,15 +72,29 @@ class Messages:
 
     def run(self, transfer: Transfer, microbatches: list) -> None:
         """Runs one transfer of the lowered schedule; `microbatches`: the step's, by index."""
-        letter = transfer.kind[-1]
         if transfer.kind in RECEIVES:
-            program = self._posting_program(transfer, letter, microbatches)
-            if program is not None:
-                self._post(program, letter, transfer.microbatch, transfer.stage, transfer.peer)
-            elif self.ordered:
+            self._receive(transfer, microbatches)
+        else:
+            self._send(transfer, microbatches)
+
+    def _receive(self, transfer: Transfer, microbatches: list) -> None:
+        """Posts a receive in the layout of a program already chosen, or leaves it (see above)."""
+        letter, k = transfer.kind[-1], transfer.microbatch
+        if self.ordered:
+            program = self._program
+            if program is None:
                 self._waiting.append(transfer)
-            return
-        k, stage = transfer.microbatch, transfer.stage
+                return
+        else:
+            program = _ran(microbatches[k - 1 if transfer.ahead else k], letter)
+            if program is None:
+                return
+        self._post(program, letter, k, transfer.stage, transfer.peer)
+
+    def _send(self, transfer: Transfer, microbatches: list) -> None:
+        """Sends what the action computed, after placeholders for what the receiver posted in
+        another program's layout (or if the action computed nothing)."""
+        letter, k, stage = transfer.kind[-1], transfer.microbatch, transfer.stage
         ran = (_COMPUTED_BY[letter], k, stage) in self._ran
         program = microbatches[k].runtime
         if self.ordered:
@@ -92,14 +106,7 @@ class Messages:
         if posted is not None and (not ran or posted is not program):
             self._placeholders(posted, letter, k, stage, transfer.peer)
         if ran:
-            self._send(program, letter, k, stage, transfer.peer)
-
-    def _posting_program(self, transfer: Transfer, letter: str, microbatches: list) -> Any:
-        """The program whose layout a receive is posted in now (None: not now)."""
-        if self.ordered:
-            return self._program
-        k = transfer.microbatch - 1 if transfer.ahead else transfer.microbatch
-        return _ran(microbatches[k], letter)
+            self._send_computed(program, letter, k, stage, transfer.peer)
 
     def _post(self, program, letter: str, k: int, stage: int, sender: int) -> list:
         bundles = program.bundles
@@ -109,7 +116,7 @@ class Messages:
             self._posted.setdefault((letter, k, stage), {})[sender] = (program, posted)
         return posted
 
-    def _send(self, program, letter: str, k: int, stage: int, receiver: int) -> None:
+    def _send_computed(self, program, letter: str, k: int, stage: int, receiver: int) -> None:
         key, computed_by, tensors = self._out if self._out is not None else (None, None, None)
         if key != (_COMPUTED_BY[letter], k, stage) or computed_by is not program:
             raise RuntimeError(
