@@ -126,7 +126,7 @@ class Config:
     # options ({"backend": "inductor", "mode": ..., "dynamic": ...}); None: eager.
     compile: dict | None = None
     # Pipeline messages on one tag, posted in an order both ends derive from the schedule (what
-    # NCCL needs; smp.pipeline.message_order). None: on for CUDA tensors (sent GPU to GPU), off
+    # NCCL needs; smp.schedules.lowering). None: on for CUDA tensors (sent GPU to GPU), off
     # for CPU tensors (tagged Gloo messages); true selects it on CPU too.
     ordered_messages: bool | None = None
     # With shard_optimizer_state: reduce each gradient bucket as soon as it is complete and keep

@@ -1,4 +1,4 @@
-"""Microbatches of one step that run different programs, on 2 pipeline ranks (smp.pipeline.lookahead).
+"""Microbatches of one step that run different programs, on 2 pipeline ranks (smp.pipeline.messages).
 
 Each stage posts its next forward's and next backward's receives a microbatch ahead, in the layout
 of the program it ran. Here the step function trims each microbatch to its own length (the
@@ -6,7 +6,8 @@ program changes from microbatch to microbatch: 16, 11, 16, 7 tokens, so every li
 both ways) and one microbatch of each step runs no backward (its gradients' receives were posted
 and must be answered). Under 1F1B, ZB-H1 (split backward) and ZB-V (two stages per rank): the
 losses and the parameters after 3 Adam steps match one process computing the same microbatches;
-and the next steps run (nothing posted was left to steal their messages)."""
+and the next steps run (nothing posted was left to steal their messages). On the ordered path,
+where both ends post in one order, such a step is refused with an error that says what to do."""
 
 from __future__ import annotations
 
@@ -83,11 +84,28 @@ def _train(rank, world_size):
         param_err = max((local[n] - ref_params[n]).abs().max().item() for n in local)
         results[schedule] = (loss_err, param_err, len(local))
         smp.parallel_state.reset()
+    results["ordered"] = _ordered_refuses_a_change(smp)
     return results
+
+
+def _ordered_refuses_a_change(smp) -> str:
+    """On the ordered path both ends post in one order that a change of program would break: the
+    step's second microbatch, on another program, is refused with an error (last: the step fails)."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": M, "ordered_messages": True})
+    model = smp.DistributedModel(models.GPT(layers=4))
+    train_step = smp.step(_step_function(model))
+    try:
+        train_step(**_batch(0))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
 
 
 def test_microbatches_of_one_step_on_different_programs_train_as_one_process():
     for per_rank in run_ranks(_train, 2, timeout=300):
+        refused = per_rank.pop("ordered")
+        assert "with ordered_messages, every microbatch of a step must run one program" in refused, refused
+        assert "set ordered_messages to false" in refused, refused
         for schedule, (loss_err, param_err, held) in per_rank.items():
             assert held > 0, schedule
             assert loss_err < 1e-5 and param_err < 1e-5, (schedule, loss_err, param_err)

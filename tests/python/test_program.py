@@ -5,7 +5,7 @@ this one process, with no process group at all: a model is captured (smp.passes.
 two stages (smp.passes.manual_partition) and split (smp.passes.split), and both stages run on
 pipeline rank 0 through smp.pipeline.rank_runtime.RankRuntime with stage_ranks=(0, 0). Every message
 between the stages (activations forward, gradients backward) is then handed over in memory
-(Links.local) and never touches torch.distributed (the first test makes its isend and irecv fail).
+(Messages.local) and never touches torch.distributed (the first test makes its isend and irecv fail).
 Each test compares the model's outputs and every parameter's gradient, summed over several
 microbatches, with a deep copy of the model run eagerly on the same microbatches.
 
@@ -44,7 +44,7 @@ from smp.engine import executor
 from smp.engine.build import build
 from smp.engine.plan import Plan
 from smp.groups import ParallelGroups
-from smp.pipeline import message_order
+from smp.pipeline.bundles import Message
 from smp.pipeline.rank_runtime import RankRuntime
 from smp.schedules import KINDS, Schedule
 from smp.services import microbatch
@@ -155,11 +155,11 @@ def _assert_matches(model, reference, name, outputs, args_used) -> None:
 
 
 class _RecordingMessages(dict):
-    """Links.local that remembers every message handed over in memory."""
+    """Messages.local that remembers every message handed over in memory."""
 
     def __init__(self):
         super().__init__()
-        self.sent: list[message_order.Message] = []
+        self.sent: list[Message] = []
 
     def __setitem__(self, msg, tensor):
         self.sent.append(msg)
@@ -175,15 +175,15 @@ def _runtime(pipe) -> RankRuntime:
     return RankRuntime(pipe, (0,) * len(pipe.stages), 0, None, [0], M, CPU)
 
 
-def _expected_messages(pipe, k: int) -> set[message_order.Message]:
+def _expected_messages(pipe, k: int) -> set[Message]:
     """What the split's values say crosses between the stages in microbatch k: each value forward to
     every consumer, and its gradient back from each consumer when it requires grad."""
     expected = set()
     for value in pipe.values.values():
         for dst in value.consumers:
-            expected.add(message_order.Message(value.src, dst, message_order.ACTIVATION, k, value.name))
+            expected.add(Message(value.src, dst, "F", k, value.name))
             if value.requires_grad:
-                expected.add(message_order.Message(dst, value.src, message_order.GRADIENT, k, value.name))
+                expected.add(Message(dst, value.src, "B", k, value.name))
     return expected
 
 
@@ -201,7 +201,7 @@ def test_two_stages_in_one_process_match_the_unsplit_model(name, order, monkeypa
     runtime = _runtime(pipe)
     assert [s.index for s in runtime.stages] == [0, 1]
     recorded = _RecordingMessages()
-    runtime._links.local = recorded
+    runtime._messages.local = recorded
     steps = [("F", k) for k in range(M)] + [("B", k) for k in range(M)]
     if order == "1f1b":  # one microbatch ahead: F0 F1 B0 F2 B1 B2
         steps = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]

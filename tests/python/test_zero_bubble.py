@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from harness import run_ranks
 from smp import passes
 from smp import schedules as schedule
-from smp.pipeline import message_order, split_backward
+from smp.pipeline import split_backward
+from smp.pipeline.bundles import layout_of
+from smp.schedules.transfers import SENDS, Transfer
 from smp.services import activation_meter
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -372,78 +374,82 @@ def _pipe(stages: int, middle_outputs: bool = False):
     return pipe
 
 
-def _replay_ordered(pipe, name: str, pp: int, m: int, active: int, with_gradients: bool) -> None:
-    """Runs every rank's action list against the ordered path's posting rules, with NCCL's
-    semantics for batched point-to-point operations: each rank's groups run on one stream, in the
-    order posted, and a group completes once both its ranks have posted it and everything they
-    posted before it has completed (a receive is usable then). Both ends must derive the same
-    groups, no rank may post a send before computing it, every step must complete (no deadlock)
-    and leave nothing unposted. An action waits for its messages in the order that posts least
-    (the order's), the worst case. Messages between stages of one rank stay off the order; their
-    sender must have run first."""
-    ranks = schedule.stage_ranks(name, pp)
-    slots = schedule.unit_time_slots(name, pp, m, active)
-    orders = {r: message_order.posting_order(pipe, r, slots, ranks, with_gradients) for r in range(pp)}
-    for a in range(pp):  # both ends of every pair derive the same groups, in the same order
-        for b in range(pp):
-            with_b, with_a = ([g for p, g in orders[x] if p == y] for x, y in ((a, b), (b, a)))
-            assert with_b == with_a, (name, pp, m, a, b)
-    position = {r: {msg: i for i, (_, g) in enumerate(orders[r]) for msg in g} for r in range(pp)}
-    posted = [0] * pp  # each rank's stream: orders[r][:posted[r]]
-    completed = [0] * pp  # ... of which the first completed[r] groups are done
-    produced: set = set()
-    ran: set = set()
+def _awaited(pipe, ranks, rank: int, action, with_gradients: bool) -> list[tuple]:
+    """The messages from other ranks that `action` waits for, (letter, microbatch, sending stage,
+    receiving stage), written from the split's values: an F the activations it reads, a B the
+    gradients of what it computed and, on the rank's last stage (where the microbatch resumes after
+    its forward), the model outputs computed on other ranks."""
+    kind, k, stage = action
+    values = pipe.values.values()
+    out = []
+    if kind == "F":
+        out += [("F", k, v.src, stage) for v in values if stage in v.consumers and ranks[v.src] != rank]
+    if kind == "B" and with_gradients:
+        out += [
+            ("B", k, d, stage)
+            for v in values
+            if v.src == stage and v.requires_grad
+            for d in v.consumers
+            if ranks[d] != rank
+        ]
+    if kind == "B" and stage == max(s for s, r in enumerate(ranks) if r == rank):
+        out += [("O", k, v.src, rank) for v in values if v.is_output and ranks[v.src] != rank]
+    return sorted(set(out))
 
-    def post_upto(r: int, upto: int) -> None:
-        for g in range(posted[r], upto + 1):
-            for msg in orders[r][g][1]:
-                assert ranks[msg.src] != r or msg in produced, ("posted before computed", name, pp, m, msg)
-        posted[r] = max(posted[r], upto + 1)
+
+def _replay_ordered(pipe, name: str, pp: int, m: int, active: int, with_gradients: bool) -> None:
+    """Runs every rank's lowered list for the ordered path (Schedule.program, for this pipe's
+    layout) with NCCL's semantics at their strictest: each rank's operations run on one stream, in
+    the order posted, and a message completes once it is at the head of both its ranks' streams (a
+    receive is usable then). Both ends of every pair must post their messages in the same order, no
+    rank may post a send before computing it, every step must complete (no deadlock) and leave
+    nothing unposted. Messages between stages of one rank stay off the lists; their sender must
+    have run first."""
+    ranks = schedule.stage_ranks(name, pp)
+    plan = schedule.Schedule(name, pp, m, active)
+    lists = [plan.program(r, True, with_gradients, layout_of(pipe)) for r in range(pp)]
+    for a in range(pp):  # both ends of every pair post the same messages, in the same order
+        for b in range(pp):
+            with_b, with_a = (
+                [x.message for x in lists[x] if isinstance(x, Transfer) and ranks[x.peer] == y]
+                for x, y in ((a, b), (b, a))
+            )
+            assert with_b == with_a, (name, pp, m, a, b)
+    streams = [[] for _ in range(pp)]  # each rank's posted, not yet completed, messages
+    complete: set = set()
+    ran: set = set()
+    at = [0] * pp
 
     def run_streams() -> None:
         moved = True
         while moved:
             moved = False
             for r in range(pp):
-                if completed[r] < posted[r]:
-                    peer, group = orders[r][completed[r]]
-                    if completed[peer] < posted[peer] and orders[peer][completed[peer]][1] == group:
-                        completed[r] += 1
-                        completed[peer] += 1
+                if streams[r]:
+                    msg = streams[r][0]
+                    peer = ranks[msg[3]] if ranks[msg[2]] == r else ranks[msg[2]]
+                    if streams[peer] and streams[peer][0] == msg:
+                        streams[r].pop(0)
+                        streams[peer].pop(0)
+                        complete.add(msg)
                         moved = True
 
-    def awaited(r: int, action) -> list:  # the messages from other ranks that `action` waits for
-        last_stage = max(schedule.rank_stages(name, r, pp))
-        out = []
-        for msg in position[r]:
-            if ranks[msg.dst] != r or msg.microbatch != action.microbatch:
-                continue
-            if (action.kind, msg.kind) == ("F", message_order.ACTIVATION) and msg.dst == action.stage:
-                out.append(msg)
-            elif action.kind == "B" and msg.kind == message_order.GRADIENT and msg.dst == action.stage:
-                out.append(msg)
-            elif (action.kind, action.stage, msg.kind) == ("B", last_stage, message_order.OUTPUT):
-                out.append(msg)  # the model's outputs: read when the rank's first B resumes
-        return sorted(out, key=lambda msg: position[r][msg])
-
-    actions = [schedule.rank_actions(name, r, pp, m, active) for r in range(pp)]
-    done = [0] * pp
-    while any(d < len(a) for d, a in zip(done, actions, strict=True)):
+    while any(i < len(x) for i, x in zip(at, lists, strict=True)):
         progressed = False
         for r in range(pp):
-            if done[r] == len(actions[r]):
+            while at[r] < len(lists[r]) and isinstance(lists[r][at[r]], Transfer):  # posting never blocks
+                x = lists[r][at[r]]
+                if x.kind in SENDS:
+                    computed_by = ("B" if x.kind == "SEND_B" else "F", x.microbatch, x.stage)
+                    assert computed_by in ran, ("posted before computed", name, pp, m, x)
+                streams[r].append(x.message)
+                at[r] += 1
+                progressed = True
+            run_streams()
+            if at[r] == len(lists[r]):
                 continue
-            action = actions[r][done[r]]
-            ready = True
-            for msg in awaited(r, action):  # what wait() does, one message after the other
-                before = posted[r]
-                post_upto(r, position[r][msg])
-                progressed = progressed or posted[r] > before
-                run_streams()
-                if completed[r] <= position[r][msg]:
-                    ready = False
-                    break
-            if not ready:
+            action = lists[r][at[r]]
+            if not all(msg in complete for msg in _awaited(pipe, ranks, r, action, with_gradients)):
                 continue
             local = {
                 "F": ("F", action.microbatch, action.stage - 1),
@@ -452,35 +458,26 @@ def _replay_ordered(pipe, name: str, pp: int, m: int, active: int, with_gradient
             needed = local.get(action.kind)
             if needed is not None and 0 <= needed[2] < len(ranks) and ranks[needed[2]] == r:
                 assert needed in ran, ("a stage of the same rank did not run first", name, pp, m, action)
-            sent = message_order.sent_by(
-                pipe, action.stage, action.kind, action.microbatch, with_gradients, ranks
-            )
-            produced.update(sent)
-            if sent:  # flush()
-                post_upto(r, max(position[r][msg] for msg in sent))
-            run_streams()
             ran.add(tuple(action))
-            done[r] += 1
+            at[r] += 1
             progressed = True
         assert progressed, (
             "deadlock",
             name,
             pp,
             m,
-            [a[d] if d < len(a) else None for a, d in zip(actions, done, strict=True)],
+            [x[i] if i < len(x) else None for x, i in zip(lists, at, strict=True)],
         )
-    for r in range(pp):  # finish_step: the whole order was posted, and every send completes
-        assert posted[r] == len(orders[r]), ("left unposted", name, pp, m, r)
-        run_streams()
-        assert completed[r] == len(orders[r]), ("left incomplete", name, pp, m, r)
+    run_streams()  # the step's end: every message posted completes
+    assert all(not stream for stream in streams), ("left incomplete", name, pp, m, streams)
 
 
 def test_ordered_message_order_agrees_and_completes_up_to_pp8():
-    """The ordered path's order, derived from the schedule data, for every schedule, pp 2 to 8,
-    m from 1 to 8 (odd ones too), a skip connection across every stage, model outputs from the
-    last stage only or from earlier stages too, training and evaluation steps: both ends of every
-    pair agree on it, and replaying the action lists under NCCL's matching and one stream per rank
-    for all its operations never deadlocks (the multi-process tests run it for real at pp 2 and 4)."""
+    """The ordered path's lowered lists, for every schedule, pp 2 to 8, m from 1 to 8 (odd ones
+    too), a skip connection across every stage, model outputs from the last stage only or from
+    earlier stages too, training and evaluation steps: both ends of every pair post in one order,
+    and replaying the lists under NCCL's matching and one stream per rank for all its operations
+    never deadlocks (the multi-process tests run it for real at pp 2 and 4)."""
     for pp in (2, 3, 4, 8):
         for name in schedule.SCHEDULES:
             for middle_outputs in (False, True):

@@ -22,7 +22,8 @@ from smp.engine import compiled, delayed_init
 from smp.engine.plan import Flags, Plan, combined_batch
 from smp.engine.skeleton import make_real
 from smp.groups import ParallelGroups
-from smp.pipeline.lookahead import Lookahead
+from smp.pipeline.bundles import layout_of
+from smp.pipeline.messages import Messages
 from smp.pipeline.rank_runtime import RankRuntime
 from smp.schedules import Schedule
 from smp.tensor_parallel.shard import shard_following
@@ -48,11 +49,11 @@ def build(
     config: Config,
     groups: ParallelGroups,
     pipe: passes.PipelineGraph | None = None,
-    lookahead: Lookahead | None = None,
+    messages: Messages | None = None,
 ) -> Program:
     """This rank's program for inputs `args`/`kwargs` (the module in the modes `flags`); `pipe` is
-    their split pipeline when planning made it (the first signature); `lookahead`: the rank's,
-    shared by its programs (smp.pipeline.lookahead)."""
+    their split pipeline when planning made it (the first signature); `messages`: the rank's,
+    shared by its programs (smp.pipeline.messages)."""
     if pipe is None:
         with plan.skeleton.swapped_in():
             captured = passes.capture(
@@ -90,10 +91,13 @@ def build(
         list(groups.pp_ranks),
         config.microbatches,
         plan.device,
-        lookahead,
+        messages,
     )
-    if groups.pp_size > 1:
-        runtime.order_messages(config.ordered_messages, schedule.slots())
+    if groups.pp_size > 1:  # the lists the executor runs (every pair), and this program's part
+        ordered = messages is not None and messages.ordered
+        for layout in (None, layout_of(pipe)):  # of them, cannot deadlock: raises if they could
+            for with_gradients in (True, False):
+                schedule.check(layout, ordered, with_gradients)
     if schedule.splits_backward:  # weight gradients wait for the schedule's W
         runtime.defer_weight_gradients()
     return Program(runtime, schedule, checkpointed)

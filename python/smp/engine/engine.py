@@ -14,6 +14,7 @@ over (`receive`): from then on the optimizer talks to that object alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,7 +74,7 @@ class Engine:
         self.state_keys = list(module.state_dict(keep_vars=True).keys())  # tied tensors under each name
         self._call_defaults = hf.call_defaults(module)
         self.plan: Plan | None = None
-        self.programs = Programs(module, config, groups, trace_execution_times)
+        self.programs = Programs(module, config, groups, trace_execution_times, self._device)
         self.grad_sync: GradSync | None = None  # the gradient averaging, once the model is placed
         # Sharded data parallelism (FSDP2 shards the parameters and averages the gradients).
         self.sharded_data: ShardedModel | None = None
@@ -240,10 +241,21 @@ class Engine:
         self._checkpointing.before_backward(mb.index)
         if self.captures:
             mb.runtime.backward(mb.index, tensors, grads, self.schedule.splits_backward, mb.pause)
+            mb.action_done()  # its sends go out now, not when the step function returns
             return
         roots = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+
+    @property
+    def ordered_messages(self) -> bool:
+        """Whether the pipeline's messages take the ordered path (smp.pipeline.messages)."""
+        return self.programs.messages.ordered
+
+    def transfers(self, microbatches: list[Microbatch]) -> Callable[[Any], None]:
+        """What runs one transfer of the executor's actions in a step of these microbatches
+        (smp.pipeline.messages)."""
+        return functools.partial(self.programs.messages.run, microbatches=microbatches)
 
     def backward_weights(self, mb: Microbatch, stage: int) -> None:
         """A split-backward schedule's W action: microbatch mb's deferred weight gradients on

@@ -1,15 +1,19 @@
-"""The executor: runs one step, this rank's actions of the schedule in order.
+"""The executor: runs one step, this rank's actions of the lowered schedule in order.
 
 Each microbatch is a thread that runs the user's step function (smp.services.microbatch); an F
 or B action resumes it until it pauses (at the end of one stage's forward or backward), a W runs
-the stage's deferred weight gradients. Which program a microbatch runs is decided inside the
-step function, when it calls the model (the input signature is known only then), so the executor
-needs only the schedule and the engine's step lifecycle.
+the stage's deferred weight gradients, a transfer (at pp > 1: a send or a receive of the rank's
+pipeline messages, smp.schedules.lowering) is run by the engine on whichever thread reaches it.
+Which program a microbatch runs is decided inside the step function, when it calls the model (the
+input signature is known only then), so the executor needs only the schedule and the engine's
+step lifecycle.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from smp import faults
 from smp.schedules import Action, Schedule
@@ -20,6 +24,18 @@ if TYPE_CHECKING:  # the engine module imports nothing of this one
     from smp.engine.engine import Engine
 
 _calls = [0]  # steps run in this process, to name the step that failed
+_COMPUTE = frozenset("FBW")
+_PHASES = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight gradients",
+    "SEND_F": "sending activations to stage",
+    "SEND_O": "sending model outputs to stage",
+    "SEND_B": "sending gradients to stage",
+    "RECV_F": "receiving activations from stage",
+    "RECV_O": "receiving model outputs from stage",
+    "RECV_B": "receiving gradients from stage",
+}
 
 
 def run(
@@ -37,35 +53,47 @@ def run(
     inline = engine is None or not engine.captures
     if inline and recorder is None and schedule.num_ranks == 1:
         return _run_inline(microbatches, engine, pp_rank)
-    actions = schedule.actions(pp_rank)
+    actions = _actions(schedule, pp_rank, engine)
+    pipelined = engine is not None and schedule.num_ranks > 1  # (only then are there transfers)
+    transfer = engine.transfers(microbatches) if pipelined else None
     # With the timeline on, control comes back here after every action, to time it.
-    turns = Turns(actions, microbatches, chain=recorder is None)
+    turns = Turns(actions, microbatches, chain=recorder is None, transfer=transfer)
     position = 0
     try:
         if engine is not None:
             engine.start_step()
         while position < len(actions):
             action = actions[position]
+            if action.kind not in _COMPUTE:
+                turns.position = position
+                transfer(action)
+                position += 1
+                continue
             mb = microbatches[action.microbatch]
             began = timeline.now() if recorder is not None else 0.0
+            timed = action  # (with the timeline on nothing chains on: one F or B, then transfers)
             if action.kind == "W":
                 if engine is not None:
                     engine.backward_weights(mb, action.stage)
             elif inline:
                 mb.run_here()
             else:
-                turns.run(position)  # and the F and B actions after it that chain on
+                turns.run(position)  # and the transfers, F and B actions after it that chain on
                 position = turns.position
                 action = actions[position]
-                mb = microbatches[action.microbatch]
             if recorder is not None:
                 recorder.record(
-                    action.kind, began, timeline.now(), microbatch=action.microbatch, stage=action.stage
+                    timed.kind, began, timeline.now(), microbatch=timed.microbatch, stage=timed.stage
                 )
-            if action.kind == "F" and schedule.num_ranks > 1 and mb.forward_calls == 0:
+            if (
+                action.kind == "F"
+                and schedule.num_ranks > 1
+                and microbatches[action.microbatch].forward_calls == 0
+            ):
                 raise RuntimeError(
                     f"smp.step: {name} returned without calling the DistributedModel on microbatch "
-                    f"{mb.index}; with pipeline parallelism every rank must call model(...) once per step"
+                    f"{action.microbatch}; with pipeline parallelism every rank must call model(...) once "
+                    "per step"
                 )
             position += 1
         if engine is not None:
@@ -82,6 +110,14 @@ def run(
         if converted is not None:
             raise converted from error
         raise
+
+
+def _actions(schedule: Schedule, pp_rank: int, engine: Engine | None) -> tuple:
+    """This rank's actions for the step: with the transfers of its messages among them at pp > 1
+    (the ordered or the tagged path; gradients only if the step starts with grad mode on)."""
+    if schedule.num_ranks == 1 or engine is None:
+        return tuple(schedule.actions(pp_rank))
+    return schedule.program(pp_rank, engine.ordered_messages, torch.is_grad_enabled())
 
 
 def _run_inline(microbatches: list[Microbatch], engine: Engine | None, pp_rank: int) -> None:
@@ -123,8 +159,9 @@ def _name_what_failed(error: BaseException, action: Action | None, pp_rank: int)
     stage = action.stage if action is not None else pp_rank
     where = f"step {_calls[0]} (this process's smp.step calls), pipeline stage {stage}"
     if action is not None:
-        phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
-        where += f", microbatch {action.microbatch} ({phase})"
+        phase = _PHASES[action.kind]
+        peer = f" {action.peer}" if action.kind not in _COMPUTE else ""
+        where += f", microbatch {action.microbatch} ({phase}{peer})"
     error.add_note(f"smp: while running {where}")
     faults.report_failure(error)
     return converted

@@ -12,6 +12,7 @@ import contextlib
 import operator
 from collections.abc import Hashable, Sequence
 
+import torch
 from torch import nn
 
 from smp import recompute
@@ -21,7 +22,8 @@ from smp.engine.build import Program, build
 from smp.engine.plan import Flags, Plan, make_plan
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
-from smp.pipeline.lookahead import Lookahead
+from smp.pipeline.messages import Messages, ordered_path
+from smp.pipeline.wire import Wire
 from smp.services.activation_meter import SavedActivationMeter
 
 _TRAINING = operator.attrgetter("training")
@@ -29,7 +31,12 @@ _TRAINING = operator.attrgetter("training")
 
 class Programs:
     def __init__(
-        self, module: nn.Module, config: Config, groups: ParallelGroups, trace_execution_times: bool
+        self,
+        module: nn.Module,
+        config: Config,
+        groups: ParallelGroups,
+        trace_execution_times: bool,
+        device: torch.device,
     ):
         self._module, self._config, self._groups = module, config, groups
         # The modules whose train/eval flags pick a program, listed once: walking the tree at every
@@ -42,9 +49,12 @@ class Programs:
         self._meter: SavedActivationMeter | None = None  # made once planned
         self._tracking = False  # whether the stages count saved activations on it
         self.building = False  # whether the module is being captured now (on fake tensors)
-        # Receives posted a microbatch ahead: one record for all programs (a step's microbatches
-        # may run different ones).
-        self._lookahead = Lookahead(config.microbatches)
+        # The rank's pipeline messages: one for all programs (a step's microbatches may run
+        # different ones).
+        ordered = ordered_path(config.ordered_messages, device) if groups.pp_size > 1 else False
+        stage_ranks = config.schedule().stage_ranks
+        wire = Wire(groups.pp, list(groups.pp_ranks), stage_ranks, groups.pp_rank, device, ordered)
+        self.messages = Messages(wire)
 
     def plan(
         self,
@@ -72,7 +82,7 @@ class Programs:
             )
             programs = {
                 flags: build(
-                    plan, flags, args, kwargs, batch_size, self._config, self._groups, pipe, self._lookahead
+                    plan, flags, args, kwargs, batch_size, self._config, self._groups, pipe, self.messages
                 )
                 for flags, pipe in pipes.items()
             }
@@ -115,7 +125,7 @@ class Programs:
                         batch_size,
                         self._config,
                         self._groups,
-                        lookahead=self._lookahead,
+                        messages=self.messages,
                     )
                 )
             program.runtime.meter = self._meter if self._tracking else None

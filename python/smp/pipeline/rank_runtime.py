@@ -1,5 +1,6 @@
 """This rank's part of a pipeline: its stages (one, or two under "zero_bubble_v"), the model's
-outputs of each microbatch, and the message path the stages share.
+outputs of each microbatch. Its messages to and from other ranks go through the rank's Messages,
+shared by its programs (smp.pipeline.messages).
 
 A microbatch's forward runs the rank's stages in pipeline order and its backward in the reverse
 order, each stage as its own schedule action: between two of them the microbatch hands control
@@ -12,21 +13,18 @@ continues from that leaf's gradient: each stage's backward runs as its own actio
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from smp import faults
 from smp.passes import PipelineGraph
-from smp.pipeline import message_order
-from smp.pipeline.lookahead import Lookahead
-from smp.pipeline.stage import Links, StageRuntime
+from smp.pipeline.bundles import Bundles
+from smp.pipeline.messages import Messages
+from smp.pipeline.stage import StageRuntime
+from smp.pipeline.wire import Wire
 from smp.services import activation_meter
-
-_warned_host_staging: list[bool] = []  # a CUDA pipeline on the tagged path says so once
 
 
 class PendingOutputs:
@@ -36,12 +34,16 @@ class PendingOutputs:
     so a loss computed from them here needs no backward.
     """
 
-    def __init__(self, pipe: PipelineGraph, leaves: list[Any], incoming: list[tuple[int, Any]]):
-        self._pipe, self._leaves, self._incoming = pipe, leaves, incoming
+    def __init__(self, pipe: PipelineGraph, leaves: list[Any], incoming: list[tuple[int, Any]], receive):
+        """`incoming`: (position, value) of each output another rank computes; `receive()` gives
+        their receives, (sending stage, value name) -> receive."""
+        self._pipe, self._leaves, self._incoming, self._receive = pipe, leaves, incoming, receive
 
     def wait(self) -> Any:
-        for position, message in self._incoming:
-            self._leaves[position] = message.wait()
+        if self._incoming:
+            received = self._receive()
+            for position, value in self._incoming:
+                self._leaves[position] = received[(value.src, value.name)].wait()
         return self._pipe.unflatten_outputs(self._leaves)
 
 
@@ -58,16 +60,19 @@ class RankRuntime:
         group_ranks: list[int],
         microbatches: int,
         device: torch.device,
-        lookahead: Lookahead | None = None,
+        messages: Messages | None = None,
     ):
-        """`lookahead`: shared by the rank's programs (a fresh one if None)."""
+        """`messages`: the rank's, shared by its programs (a fresh one, on the tagged path, if None)."""
         if len(stage_ranks) != len(pipe.stages):
             raise ValueError(f"smp: {len(stage_ranks)} stage placements for {len(pipe.stages)} stages")
         self.pipe = pipe
-        lookahead = lookahead if lookahead is not None else Lookahead(microbatches)
-        self._links = Links(group, group_ranks, tuple(stage_ranks), rank, microbatches, device, lookahead)
-        self.stages = [StageRuntime(pipe, s, self._links) for s, r in enumerate(stage_ranks) if r == rank]
-        self._lead = next(s for s in self.stages if s.index == rank)  # where outputs are addressed
+        self.rank = rank
+        stage_ranks = tuple(stage_ranks)
+        if messages is None:
+            messages = Messages(Wire(group, group_ranks, stage_ranks, rank, device, ordered=False))
+        self._messages = messages
+        self.bundles = Bundles(pipe, stage_ranks, rank, microbatches)
+        self.stages = [StageRuntime(pipe, s, self, messages) for s, r in enumerate(stage_ranks) if r == rank]
         self._input_meta = [
             (i, n.meta["val"].shape, n.meta["val"].dtype)
             for i, n in enumerate(n for n in pipe.captured.graph_module.graph.nodes if n.op == "placeholder")
@@ -86,25 +91,6 @@ class RankRuntime:
         self._meter = meter
         for stage in self.stages:
             stage.meter = meter
-
-    def order_messages(self, ordered: bool | None, slots) -> None:
-        """Chooses the message path (None: ordered for CUDA tensors, tagged for CPU ones); `slots`
-        is the schedule's unit_time_slots, from which the ordered path derives its order."""
-        links = self._links
-        if ordered is None:
-            ordered = links.device.type == "cuda"
-        if ordered:
-            links.ordered = message_order.OrderedChannels(
-                self.pipe, links.rank, links.stage_ranks, links.group_ranks, links.group, links.device, slots
-            )
-        elif links.device.type == "cuda" and not _warned_host_staging:
-            _warned_host_staging.append(True)
-            warnings.warn(
-                "smp: pipeline activations on CUDA are staged through host memory and sent over Gloo "
-                "(ordered_messages is false); set it to true (or leave it unset) to send them GPU to "
-                "GPU over NCCL",
-                stacklevel=2,
-            )
 
     def defer_weight_gradients(self) -> None:
         """For the split-backward schedules: see StageRuntime.defer_weight_gradients."""
@@ -125,11 +111,7 @@ class RankRuntime:
         each run inside `around()`."""
         flat = self.pipe.captured.flatten_inputs(args, kwargs)
         self._check_inputs(flat)
-        ordered = self._links.ordered
-        if ordered is not None and not ordered.started:
-            links = self._links
-            with faults.waiting(f"pipeline rank {links.rank} connecting to its peers", links.group_name()):
-                ordered.start(with_gradients=torch.is_grad_enabled())
+        self._messages.begin(self)
         produced: dict[int, dict[str, torch.Tensor]] = {}
         for i, stage in enumerate(self.stages):
             if i:
@@ -140,25 +122,25 @@ class RankRuntime:
 
     def _outputs(self, k: int, flat: list[Any], produced: dict[int, dict[str, torch.Tensor]]):
         values, last = self.pipe.values, self.stages[-1].index
-        leaves, outputs, incoming, kept = [], [], {}, {}
+        leaves, outputs, kept = [], [], {}
         for position, leaf in enumerate(self.pipe.outputs):
             if leaf.kind == "const":
                 leaves.append(leaf.ref)
             elif leaf.kind == "input":
                 leaves.append(flat[leaf.ref])
-            elif self._links.is_local(values[leaf.ref].src):
+            elif self.bundles.stage_ranks[values[leaf.ref].src] == self.rank:
                 tensor = produced[values[leaf.ref].src][leaf.ref]
                 if values[leaf.ref].src != last and tensor.requires_grad:
                     tensor = kept.setdefault(leaf.ref, tensor.detach().requires_grad_())
                 leaves.append(tensor)
-            else:
+            else:  # (a value returned twice arrives once: both wait for its one receive)
                 leaves.append(None)
-                if leaf.ref not in incoming:  # a value returned twice arrives once
-                    incoming[leaf.ref] = self._lead.receive_output(values[leaf.ref], k)
-                outputs.append((position, incoming[leaf.ref]))
+                outputs.append((position, values[leaf.ref]))
         if kept:
             self._output_leaves[k] = kept
-        return PendingOutputs(self.pipe, leaves, outputs)
+        # Every rank's outputs are addressed to its stage of its own index (stage r is on rank r).
+        receive = lambda: self._messages.incoming(self, "O", k, self.rank)  # noqa: E731
+        return PendingOutputs(self.pipe, leaves, outputs, receive)
 
     # --- backward -----------------------------------------------------------
 
@@ -198,17 +180,9 @@ class RankRuntime:
         return {stage.index: stage.produced(k) for stage in self.stages}
 
     def finish_step(self) -> None:
-        links = self._links
-        # Once for the rank's programs (the first one's finish does it), before any waits for
-        # sends: it may add some, to any program's stages.
-        links.lookahead.finish()
-        sends = links.ordered.finish_step() if links.ordered is not None else []
-        with faults.waiting(f"pipeline rank {links.rank} completing its sends", links.group_name()):
-            for work in sends:
-                work.wait()
+        self._messages.finish()  # (once for the rank's programs: the first one's finish does it)
         for stage in self.stages:
             stage.finish_step()
-        links.local.clear()  # gradients for stages of this rank in a step that ran no backward
         self._output_leaves.clear()
 
     def _check_inputs(self, flat: list[Any]) -> None:

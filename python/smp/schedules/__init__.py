@@ -1,5 +1,5 @@
 """Pipeline schedules as data: the order in which one pipeline rank runs microbatch forwards and
-backwards on its stage(s).
+backwards on its stage(s), and the messages between them.
 
 An action is (kind, microbatch, stage), kind "F", "B" or "W". F is the forward; B the backward (in
 "zero_bubble" and "zero_bubble_v", only its input-gradient part, whose result goes upstream at
@@ -7,17 +7,13 @@ once); W the weight-gradient part that those schedules split from B and defer. E
 but "zero_bubble_v" runs one stage per rank (stage r on rank r); "zero_bubble_v" runs two, in a V:
 rank r holds stages r and 2p-1-r, so the first rank also holds the last stage.
 
-Why the lists cannot deadlock. Sends never block, W neither sends nor waits for anything, and
-every other wait is for a message that an action of another stage sends (F(k) on stage s waits
-for F(k) on s-1, B(k) for B(k) on s+1). Every schedule's lists are checked by placing them in unit
-time (unit_time_slots: each action in the first slot after its rank's previous action and after
-the actions it waits for; the simulation raises if no rank can move), so each action waits only
-for actions of strictly earlier slots. Run with any real durations, a stuck pipeline would have
-every stuck rank waiting at an action whose awaited action sits on another stuck rank behind an
-action of a slot no later than its own, so strictly earlier than the waiter's: slots would fall
-forever along that chain, which a finite list cannot do. The ordered message path (one tag,
-matched by posting order) keeps this: both ends derive their posting order from these same slots
-(smp.pipeline.message_order).
+Lowering (smp.schedules.lowering) places the sends and receives of every message between ranks
+(smp.schedules.transfers) among a rank's actions, for the tagged or the ordered message path: that
+list is what the rank's executor runs, and nothing else orders the messages. The unit-time
+simulation of every rank's lowered list (smp.schedules.simulation) places the actions in slots
+(unit_time_slots, for the timeline, the planner and `python -m smp.pipeline`) and raises if the
+lists deadlock or break a rule; its docstring argues why a list it accepts cannot deadlock when
+run for real.
 """
 
 from smp.schedules.actions import Action
@@ -33,16 +29,19 @@ from smp.schedules.schedule import (
     stage_ranks,
     unit_time_slots,
 )
+from smp.schedules.transfers import Layout, Transfer
 
 SCHEDULES = NAMES
 
 __all__ = [
     "KINDS",
     "NAMES",
+    "Layout",
     "SCHEDULES",
     "Action",
     "Kind",
     "Schedule",
+    "Transfer",
     "main",
     "num_stages",
     "rank_actions",

@@ -1,9 +1,11 @@
-"""A schedule as text: `python -m smp.pipeline` prints its unit-time timeline."""
+"""A schedule as text: `python -m smp.pipeline` prints its unit-time timeline, or (`--lowered`)
+each rank's lowered list."""
 
 from __future__ import annotations
 
 from smp.schedules.actions import Action
-from smp.schedules.schedule import NAMES, rank_stages, stage_ranks, unit_time_slots
+from smp.schedules.schedule import NAMES, Schedule, rank_stages, stage_ranks, unit_time_slots
+from smp.schedules.transfers import SENDS, Layout, Transfer
 
 
 def render_text(schedule: str, num_ranks: int, microbatches: int, active_microbatches: int) -> str:
@@ -25,6 +27,27 @@ def render_text(schedule: str, num_ranks: int, microbatches: int, active_microba
     return "\n".join(lines)
 
 
+def render_lowered(schedule: Schedule, ordered: bool) -> str:
+    """Each rank's lowered list for stages that each read the one before: "F3", then its sends
+    and receives, e.g. "SEND_F3>1" (to stage 1) and "RECV_B4<1^" (from stage 1, posted a
+    microbatch ahead). Where a rank runs two stages, the later one's are lower case."""
+    layout = Layout.chain(schedule.num_stages)
+    lines = []
+    for rank in range(schedule.num_ranks):
+        first = min(schedule.rank_stages(rank))
+        cells = [_entry(a, a.stage != first) for a in schedule.program(rank, ordered, True, layout)]
+        lines.append(f"rank {rank}: " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _entry(action: Action | Transfer, lower: bool) -> str:
+    if isinstance(action, Action):
+        return _cell(action, lower)
+    arrow = ">" if action.kind in SENDS else "<"
+    kind = action.kind.lower() if lower else action.kind
+    return f"{kind}{action.microbatch}{arrow}{action.peer}{'^' if action.ahead else ''}"
+
+
 def _cell(action: Action, lower: bool) -> str:
     kind = action.kind.lower() if lower else action.kind
     return f"{kind}{action.microbatch}"
@@ -41,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--schedule", choices=NAMES, default="interleaved")
     p.add_argument("--active", type=int, default=None, help="active_microbatches (default: min(pp + 2, m))")
+    p.add_argument("--lowered", choices=("tagged", "ordered"), help="print each rank's lowered list instead")
     args = p.parse_args(argv)
     active = args.active if args.active is not None else min(args.pp + 2, args.microbatches)
-    print(render_text(args.schedule, args.pp, args.microbatches, active))
+    if args.lowered:
+        schedule = Schedule(args.schedule, args.pp, args.microbatches, active)
+        print(render_lowered(schedule, args.lowered == "ordered"))
+    else:
+        print(render_text(args.schedule, args.pp, args.microbatches, active))

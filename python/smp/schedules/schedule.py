@@ -10,8 +10,9 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from smp.schedules import zero_bubble
+from smp.schedules import lowering, simulation, zero_bubble
 from smp.schedules.actions import Action, waits_for
+from smp.schedules.transfers import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ class Schedule:
         return rank_stages(self.name, rank, self.num_ranks)
 
     def actions(self, rank: int) -> list[Action]:
+        """`rank`'s F, B and W actions, in order."""
         return rank_actions(self.name, rank, self.num_ranks, self.microbatches, self.active_microbatches)
 
     def slots(self) -> list[list[Action | None]]:
@@ -126,6 +128,22 @@ class Schedule:
         """The most microbatches whose activations `rank` holds at once, in units of its whole share
         of the layers (a bound the action lists keep)."""
         return kind(self.name).held(rank, self.num_ranks, self.microbatches, self.active_microbatches)
+
+    def program(
+        self, rank: int, ordered: bool = False, with_gradients: bool = True, layout: Layout | None = None
+    ) -> lowering.Lowered:
+        """What `rank`'s executor runs: its actions with the sends and receives of `layout` (None:
+        every pair a split can exchange, which serves every program) placed among them, for the
+        ordered or the tagged message path (smp.schedules.lowering), with B's messages if
+        `with_gradients`. Made once."""
+        layout = layout if layout is not None else Layout.complete(self.num_stages)
+        return lowered(self, rank, layout, ordered, with_gradients)
+
+    def check(self, layout: Layout | None = None, ordered: bool = False, with_gradients: bool = True) -> None:
+        """Raises if the ranks' lowered lists for `layout` (None: every pair) deadlock or break a
+        rule (smp.schedules.simulation). Checked once per arguments."""
+        layout = layout if layout is not None else Layout.complete(self.num_stages)
+        check(self, layout, ordered, with_gradients)
 
     def waits_for(self, action: Action) -> tuple[str, int, int] | None:
         """The action (kind, microbatch, stage) whose message `action` waits for, or None."""
@@ -172,7 +190,7 @@ def rank_actions(
     stages r and 2p-1-r, each backward split into B and W as above. A rank holds at most
     2 * min(active_microbatches, p, m) stage-microbatches (F done, W not); each stage being half
     the size of a one-stage-per-rank stage, that is about the activations the first rank holds
-    under "interleaved", on every rank (measured: 0.94-1.07x its peak at p = 4, m = 8, 4 active).
+    under "interleaved", on every rank (docs/benchmarks.md, "ZB-V", measures it).
     With F = B = W = 1 unit per half-size stage, a step takes 6m + 1 units per rank at p = 2
     (m = 4: 25 slots against 1F1B's 30 of the same units; m = 8: 49 against 54) and 6m + 4 at
     p = 4, m = 8 (52 against 66).
@@ -199,34 +217,50 @@ def unit_time_slots(
 ) -> list[list[Action | None]]:
     """Each rank's actions placed in time slots, every action one slot long: an action runs in
     the first slot after what it waits for (the previous stage's F k, the next stage's B k) and
-    this rank's previous action. None is an idle slot (a bubble)."""
-    last = num_stages(schedule, num_ranks) - 1
-    todo = [rank_actions(schedule, r, num_ranks, microbatches, active_microbatches) for r in range(num_ranks)]
-    finished: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, stage) -> slot
-    slots: list[list[Action | None]] = [[] for _ in range(num_ranks)]
-    ran_count = [0] * num_ranks
-    t = 0
-    while any(n < len(actions) for n, actions in zip(ran_count, todo, strict=True)):
-        ran = []
-        for r, actions in enumerate(todo):
-            n = ran_count[r]
-            action = actions[n] if n < len(actions) else None
-            ready = action is not None and _inputs_ready(action, last, finished, t)
-            slots[r].append(action if ready else None)
-            if ready:
-                ran.append(action)
-                ran_count[r] += 1
-        if not ran:
-            raise RuntimeError(f"smp: schedule {schedule!r} deadlocks at slot {t}")
-        for action in ran:
-            finished[(action.kind, action.microbatch, action.stage)] = t
-        t += 1
-    for row in slots:  # a rank that is done is not idle
-        while row and row[-1] is None:
-            row.pop()
-    return slots
+    this rank's previous action. None is an idle slot (a bubble). The simulation of the lists
+    lowered for stages that each read the one before (smp.schedules.simulation); it raises if they
+    deadlock."""
+    return [list(row) for row in _slots(schedule, num_ranks, microbatches, active_microbatches)]
 
 
-def _inputs_ready(action: Action, last_stage: int, finished: dict, t: int) -> bool:
-    needed = waits_for(action.kind, action.microbatch, action.stage, last_stage)
-    return needed is None or finished.get(needed, t) < t
+@functools.lru_cache(maxsize=64)
+def _slots(
+    schedule: str, num_ranks: int, microbatches: int, active: int
+) -> tuple[tuple[Action | None, ...], ...]:
+    ranks = stage_ranks(schedule, num_ranks)
+    layout = Layout.chain(len(ranks))
+    programs = [
+        lowering.tagged(
+            rank_actions(schedule, r, num_ranks, microbatches, active), r, ranks, layout, microbatches, True
+        )
+        for r in range(num_ranks)
+    ]
+    slots = simulation.simulate(programs, ranks, layout, with_gradients=True, serial=False, name=schedule)
+    return tuple(tuple(row) for row in slots)
+
+
+@functools.lru_cache(maxsize=256)
+def lowered(
+    schedule: Schedule, rank: int, layout: Layout, ordered: bool, with_gradients: bool
+) -> lowering.Lowered:
+    """`rank`'s actions with the transfers of `layout` placed among them for the ordered or the
+    tagged message path (smp.schedules.lowering); without B's messages unless `with_gradients`."""
+    name, p, m, active = (
+        schedule.name,
+        schedule.num_ranks,
+        schedule.microbatches,
+        schedule.active_microbatches,
+    )
+    ranks = stage_ranks(name, p)
+    if ordered:
+        return lowering.ordered(_slots(name, p, m, active), rank, ranks, layout, with_gradients)
+    return lowering.tagged(rank_actions(name, rank, p, m, active), rank, ranks, layout, m, with_gradients)
+
+
+@functools.lru_cache(maxsize=64)
+def check(schedule: Schedule, layout: Layout, ordered: bool, with_gradients: bool) -> None:
+    """Simulates every rank's lowered list (smp.schedules.simulation); raises if they deadlock or
+    break a rule (the ordered path: one stream per rank)."""
+    programs = [lowered(schedule, r, layout, ordered, with_gradients) for r in range(schedule.num_ranks)]
+    ranks = stage_ranks(schedule.name, schedule.num_ranks)
+    simulation.simulate(programs, ranks, layout, with_gradients, serial=ordered, name=schedule.name)

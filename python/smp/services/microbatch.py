@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 _local = threading.local()
+_COMPUTE = frozenset("FBW")  # the actions that are no transfer of a lowered schedule
 
 
 class Aborted(BaseException):
@@ -35,8 +36,8 @@ def current() -> Microbatch | None:
 def _held_lock() -> _thread.LockType:
     """A lock that starts held: release() lets one acquire() through (a binary semaphore). The
     hand-overs between the scheduler and a microbatch use these plain locks: threading.Semaphore
-    and Event are Python-level conditions that allocate a waiter lock on every wait (measured, a
-    resume + pause round trip: 16-46 us of CPU with Semaphores, 12-15 us with plain locks)."""
+    and Event are Python-level conditions that allocate a waiter lock on every wait (a resume +
+    pause round trip costs less with plain locks: docs/benchmarks.md, "host overhead")."""
     lock = _thread.allocate_lock()
     lock.acquire()
     return lock
@@ -96,8 +97,9 @@ class Turns:
     """One step's microbatches taking turns through this rank's actions (smp.engine.executor).
 
     The scheduler's thread runs an F or B action by waking its microbatch's thread; when that
-    microbatch pauses (or finishes its backward) and the next action is another F or B, its
-    thread hands the turn straight to that action's microbatch (chaining), or just goes on if it
+    microbatch pauses (or finishes its backward), its thread runs the transfers that follow (a
+    lowered schedule's sends and receives, through `transfer`) and, if the next action is another
+    F or B, hands the turn straight to that action's microbatch (chaining), or just goes on if it
     is its own: one thread wake per action instead of two (the scheduler's, then the
     microbatch's), and none between a microbatch's F and B on the last stage. Control comes back to
     the scheduler at a W (run on its thread), at the end of the actions, after a microbatch that
@@ -108,11 +110,18 @@ class Turns:
     which are per thread, taken here (W and the step's end run on that thread: one stream for all).
     """
 
-    def __init__(self, actions: Sequence[Any], microbatches: list[Microbatch], chain: bool):
+    def __init__(
+        self,
+        actions: Sequence[Any],
+        microbatches: list[Microbatch],
+        chain: bool,
+        transfer: Callable[[Any], None] | None = None,
+    ):
         self.actions = actions
         self.position = -1  # the action running, or that ran last
         self._microbatches = microbatches
         self._chain = chain
+        self.transfer = transfer
         self._back = _held_lock()  # released when control comes back to the scheduler
         self._error: BaseException | None = None
         self.grad_enabled = torch.is_grad_enabled()
@@ -151,14 +160,31 @@ class Turns:
                 self._error = None
                 mb._wait_finished()
 
+    def run_transfers(self) -> None:
+        """Runs the transfers that follow the current action, on this thread; self.position is then
+        the last one run."""
+        actions, position = self.actions, self.position + 1
+        while position < len(actions) and actions[position].kind not in _COMPUTE:
+            self.position = position
+            self.transfer(actions[position])
+            position += 1
+
     def _hand_on(self, finished: bool) -> Microbatch | None:
-        """The microbatch to run next when the running one pauses or (`finished`) ends: the next
-        action's, if it may run there; None to hand control back to the scheduler."""
+        """The microbatch to run next when the running one pauses or (`finished`) ends, after the
+        transfers that follow its action: the next action's, if it may run there; None to hand
+        control back to the scheduler (also if a transfer failed: the scheduler raises it)."""
+        if finished and self.actions[self.position].kind == "F":
+            return None
+        try:
+            self.run_transfers()
+        except BaseException as error:
+            self._failed(error)
+            return None
         position = self.position + 1
         if not self._chain or position >= len(self.actions):
             return None
         action = self.actions[position]
-        if action.kind == "W" or finished and self.actions[self.position].kind == "F":
+        if action.kind == "W":
             return None
         mb = self._microbatches[action.microbatch]
         if mb.done:
@@ -212,8 +238,9 @@ class Microbatch:
     def run_here(self) -> None:
         """Runs the step function to its end on the calling thread, for a model that never pauses
         (one that runs whole). The step then keeps the caller's thread: no hand-off to a worker,
-        and no second OpenMP team whose idle threads spin against the caller's on a CPU (measured:
-        a step of a small model 3-14 % slower on a worker thread). Errors propagate as they are."""
+        and no second OpenMP team whose idle threads spin against the caller's on a CPU (a small
+        model's step is slower on a worker thread: docs/benchmarks.md, "host overhead"). Errors
+        propagate as they are."""
         if self.done:
             return
         self._started = self._inline = True
@@ -224,6 +251,12 @@ class Microbatch:
         finally:
             self.done = True
             _local.microbatch = outer
+
+    def action_done(self) -> None:
+        """The running action has computed what it sends (called on its thread): the transfers the
+        schedule places after it run now, not when the step function pauses or returns."""
+        if self._turns is not None and not self._inline:
+            self._turns.run_transfers()
 
     def pause(self) -> None:
         """Ends this microbatch's action (called on its thread): the turn goes to the next action's
