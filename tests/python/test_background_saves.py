@@ -1,7 +1,7 @@
 """Background saves (issue 49, item 4): a second save started while one is being written waits for
 it and never interleaves with it. Each checkpoint holds its own state (what the model held when
 its save was called), only its own files, and the first is complete and named newest before the
-second writes anything."""
+second writes anything. The second copies the state into the first's host buffers."""
 
 from __future__ import annotations
 
@@ -70,15 +70,18 @@ def _two_saves_back_to_back(rank, world_size, folder):
 
     storage.save, folders.publish = recorded_write, recorded_publish
     step(0)
-    held = {}
+    held, buffers = {}, []
     for i, tag in enumerate(("first", "second")):
         held[tag] = {k: v.tolist() for k, v in model.local_state_dict().items()}
         smp.save_checkpoint(
             folder, tag, model=model, optimizer=optimizer, user_content={"tag": tag}, async_save=True
         )
+        buffers.append(sorted(b.data_ptr() for b in smp.checkpoint._staging._buffers.values()))
         step(i + 1)  # the live state changes while the checkpoint is written
     smp.wait_for_checkpoint()
-    return events, held
+    smp.checkpoint.release_staging()
+    reused = buffers[0] == buffers[1]
+    return events, held, (reused, len(buffers[0])), len(smp.checkpoint._staging._buffers)
 
 
 def test_a_second_background_save_waits_for_the_first(tmp_path):
@@ -86,7 +89,7 @@ def test_a_second_background_save_waits_for_the_first(tmp_path):
 
     folder = str(tmp_path)
     results = run_ranks(_two_saves_back_to_back, 2, folder, timeout=180)
-    for rank, (events, _) in enumerate(results):
+    for rank, (events, *_) in enumerate(results):
         order = [(kind, tag) for kind, tag, _ in events]
         published = [("publish", "first")] if rank == 0 else []
         assert order == [
@@ -103,6 +106,10 @@ def test_a_second_background_save_waits_for_the_first(tmp_path):
         assert "first_partial.incomplete" not in seen["listing"], seen
     held = results[0][1]
     assert held == results[1][1] and held["first"] != held["second"]
+    # the second copied into the first's buffers (no fresh pages), which release_staging gives back
+    # (rank 0 writes every tensor here: the model and the optimizer state are replicated)
+    assert all(reused and kept == 0 for _, _, (reused, _), kept in results), results
+    assert results[0][2][1] > 0, results
     for tag in ("first", "second"):
         path = tmp_path / f"{tag}_partial"
         assert set(os.listdir(path)) == FILES  # only its own files
