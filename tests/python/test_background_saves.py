@@ -10,6 +10,7 @@ import time
 
 import torch
 from harness import run_ranks
+from tiny_training import tiny
 
 FILES = {
     ".metadata",
@@ -30,21 +31,10 @@ def _two_saves_back_to_back(rank, world_size, folder):
     import smp
     from smp.state import folders, storage
 
-    smp.init({})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)))
-    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
-
-    @smp.step
-    def train(x):
-        loss = model(x).square().mean()
-        model.backward(loss)
-        return loss
+    model, optimizer, train = tiny(smp, {}, width=32, optimizer=torch.optim.Adam)
 
     def step(i):
-        optimizer.zero_grad()
         train(torch.full((4, 32), float(i + 1)))
-        optimizer.step()
 
     events = []
     write, publish = storage.save, folders.publish

@@ -13,25 +13,9 @@ import warnings
 import main_job_runs as runs
 import torch
 from harness import run_ranks
+from tiny_training import tiny
 
 # --- in-process: fresh starts, torn saves, generators, registered objects, data positions ------
-
-
-def _tiny(smp, config):
-    smp.init(config)
-    torch.manual_seed(0)
-    model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @smp.step
-    def train(x):
-        loss = model(x).square().mean()
-        model.backward(loss)
-        return loss
-
-    train(torch.ones(4, 4))
-    optimizer.step()
-    return model, optimizer
 
 
 class Counter:
@@ -51,7 +35,7 @@ def _fresh_torn_and_rank_state(rank, world_size, folder):
     import smp
 
     out = {"missing": smp.parallel_state.is_initialized()}
-    model, optimizer = _tiny(smp, {})
+    model, optimizer, _ = tiny(smp, {})
     out["fresh"] = (
         smp.resume_from_checkpoint(os.path.join(folder, "nothing_here")),
         smp.resume_from_checkpoint(folder),
@@ -71,7 +55,7 @@ def _fresh_torn_and_rank_state(rank, world_size, folder):
         os.makedirs(os.path.join(folder, "s2_partial.incomplete"))
     smp.barrier()
     smp.parallel_state.reset()
-    model, optimizer = _tiny(smp, {})
+    model, optimizer, _ = tiny(smp, {})
     late = Counter()
     loader = smp.data_loader(list(range(40)), batch_size=2, shuffle=True, seed=3)
     with warnings.catch_warnings(record=True) as caught:
@@ -105,7 +89,7 @@ def _loader_on_replicas(rank, world_size, folder, config, batch_size, save):
     """Reads 3 batches, saves (if `save`), returns the next one; or resumes and returns the next."""
     import smp
 
-    model, optimizer = _tiny(smp, config)
+    model, optimizer, _ = tiny(smp, config)
     loader = smp.data_loader(list(range(64)), batch_size=batch_size, shuffle=True, seed=5)
     if save:
         batches = iter(loader)
