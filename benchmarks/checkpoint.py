@@ -53,7 +53,11 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
 import models  # noqa: E402  (the tests' GPT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint_background as background  # noqa: E402  (the async_save part)
+
 LAYOUTS = {
+    "one": {},
     "rdp2": {"shard_optimizer_state": True},
     "pp2tp2": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
 }
@@ -69,6 +73,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="sequences per replica and step")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--part",
+        choices=("all", "formats", "background"),
+        default="all",
+        help="formats: the four contestants' saves and loads; background: async_save against a "
+        "synchronous save of the same state",
+    )
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a fresh folder in /tmp)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     return p.parse_args()
@@ -116,8 +127,32 @@ def main() -> None:
     holder = [base]
     dist.broadcast_object_list(holder, src=0)
     base = holder[0]
+    result: dict = {"layout": args.layout, "params": n_params}
+    if args.part in ("all", "formats"):
+        result |= measure_formats(args, base, model, opt)
+    if args.part in ("all", "background"):
+        result["background"] = background.measure(args.repeats, f"{base}/smp", model, opt, step, timed)
+    if rank == 0:
+        print(
+            f"layout {args.layout}, world {smp.size()}, {n_params / 1e6:.1f}M parameters, Adam, "
+            f"{args.repeats} repeats (median; max over ranks); load average {os.getloadavg()[0]:.1f}"
+        )
+        if "median_s" in result:
+            report_formats(result["median_s"], result["bytes"])
+        if "background" in result:
+            background.report(result["background"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    smp.barrier()
+
+
+def measure_formats(args, base: str, model, opt) -> dict:
+    """Each contestant's save and load, `args.repeats` times (rank 0's result holds the bytes)."""
+    rank = smp.rank()
     times: dict[str, list[float]] = {}
-    sizes: dict[str, int] = {}
 
     def measure(name: str, fn) -> None:
         times.setdefault(name, []).append(timed(fn))
@@ -150,7 +185,7 @@ def main() -> None:
     for _ in range(args.repeats):
         measure(
             "smp partial save", lambda: smp.save_checkpoint(f"{base}/smp", "p", model=model, optimizer=opt)
-        )  # noqa: E501
+        )
         measure("smp partial load", lambda: smp.resume_from_checkpoint(f"{base}/smp", tag="p"))
         measure(
             "smp full save",
@@ -161,6 +196,7 @@ def main() -> None:
         measure("torch.save load", torch_load)
         measure("dcp direct save", dcp_save)
         measure("dcp direct load", dcp_load)
+    sizes = {}
     if rank == 0:
         sizes = {
             "smp partial": folder_bytes(f"{base}/smp/p_partial"),
@@ -168,59 +204,15 @@ def main() -> None:
             "torch.save": folder_bytes(f"{base}/torch"),
             "dcp direct": folder_bytes(f"{base}/dcp"),
         }
+    return {"median_s": {k: statistics.median(v) for k, v in times.items()}, "bytes": sizes}
 
-    # async: the pause, and steps taken while the files are written
-    plain = [timed(step) for _ in range(args.repeats + 1)][1:]
-    pauses, during, waits = [], [], []
-    started = []
 
-    def start_async() -> None:
-        started.append(smp.save_checkpoint(f"{base}/smp", "a", model=model, optimizer=opt, async_save=True))
-
-    for _ in range(args.repeats):
-        pauses.append(timed(start_async))
-        pending = started.pop()
-        while True:
-            during.append(timed(step))
-            finished = torch.tensor(int(pending.done()))
-            dist.all_reduce(finished, op=dist.ReduceOp.MIN)  # every rank steps until all are done
-            if finished.item():
-                break
-        waits.append(timed(pending.wait))
-
-    if rank == 0:
-        median = {k: statistics.median(v) for k, v in times.items()}
-        print(
-            f"layout {args.layout}, world {smp.size()}, {n_params / 1e6:.1f}M parameters, Adam, "
-            f"{args.repeats} repeats (median; max over ranks)"
-        )
-        print(f"{'':16} {'save s':>8} {'load s':>8} {'MB':>8}   save vs torch.save / dcp direct")
-        for name in ("smp partial", "smp full", "torch.save", "dcp direct"):
-            save, load = median[f"{name} save"], median[f"{name} load"]
-            ratio = f"{save / median['torch.save save']:.2f}x / {save / median['dcp direct save']:.2f}x"
-            print(f"{name:16} {save:8.3f} {load:8.3f} {sizes[name] / 1e6:8.1f}   {ratio}")
-        print(
-            f"async: pause {statistics.median(pauses):.3f} s (vs smp partial save "
-            f"{median['smp partial save']:.3f} s); step {statistics.median(plain):.3f} s without a save, "
-            f"{statistics.median(during):.3f} s while writing ({len(during)} steps, {args.repeats} saves); "
-            f"wait after {statistics.median(waits):.3f} s"
-        )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "layout": args.layout,
-                        "params": n_params,
-                        "median_s": median,
-                        "bytes": sizes,
-                        "async": {"pause": pauses, "step_plain": plain, "step_during": during, "wait": waits},
-                    },
-                    f,
-                    indent=1,
-                )
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
-    smp.barrier()
+def report_formats(median: dict, sizes: dict) -> None:
+    print(f"{'':16} {'save s':>8} {'load s':>8} {'MB':>8}   save vs torch.save / dcp direct")
+    for name in ("smp partial", "smp full", "torch.save", "dcp direct"):
+        save, load = median[f"{name} save"], median[f"{name} load"]
+        ratio = f"{save / median['torch.save save']:.2f}x / {save / median['dcp direct save']:.2f}x"
+        print(f"{name:16} {save:8.3f} {load:8.3f} {sizes[name] / 1e6:8.1f}   {ratio}")
 
 
 if __name__ == "__main__":

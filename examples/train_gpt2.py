@@ -277,7 +277,7 @@ def main() -> None:
             if bar is not None:
                 bar.set_postfix(loss=f"{mean:.3f}", tok_s=f"{tokens_per_s:,.0f}")
                 log.writerow(
-                    [step + 1, f"{mean:.5f}", f"{schedule.get_last_lr()[0]:.6g}", f"{tokens_per_s:.1f}"]
+                    [step + 1, f"{mean:.8f}", f"{schedule.get_last_lr()[0]:.6g}", f"{tokens_per_s:.1f}"]
                 )
             window_loss, window_tokens, window_start = None, 0, time.perf_counter()
         done = step + 1

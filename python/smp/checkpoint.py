@@ -26,6 +26,7 @@ import dataclasses
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
 import torch
@@ -101,9 +102,17 @@ def save_checkpoint(
         job.run(None)
         return None
     global _pending
-    job.tensors = storage.staged(tensors)  # the training may change the live tensors from now on
+    job.tensors = _staging.copy(tensors)  # the training may change the live tensors from now on
     _pending = PendingSave(job, parallel_state.checkpoint_group())
+    _pending.staged_bytes = storage.nbytes(job.tensors)
     return _pending
+
+
+def release_staging() -> None:
+    """Gives back the host memory background saves keep for their copy of the state (it is kept
+    from one background save to the next, which then copies without page faults)."""
+    wait_for_checkpoint()
+    _staging.release()
 
 
 def wait_for_checkpoint() -> None:
@@ -115,18 +124,25 @@ def wait_for_checkpoint() -> None:
 
 
 class PendingSave:
-    """A checkpoint written by a background thread: wait() returns when it is complete and newest."""
+    """A checkpoint written by a background thread: wait() returns when it is complete and newest.
+    `staged_bytes`: the host memory its copy of this rank's state holds until then;
+    `cpu_seconds`: the processor time its thread has taken (what it costs a busy host)."""
 
     def __init__(self, job: _SaveJob, group):
+        self.staged_bytes = 0
+        self.cpu_seconds = 0.0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(job, group), name="smp-checkpoint")
         self._thread.start()
 
     def _run(self, job: _SaveJob, group) -> None:
+        start = time.thread_time()
         try:
             job.run(group)
         except BaseException as err:  # handed to the training thread by wait()
             self._error = err
+        finally:
+            self.cpu_seconds = time.thread_time() - start
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -140,6 +156,7 @@ class PendingSave:
 
 
 _pending: PendingSave | None = None
+_staging = storage.Staging()
 
 
 @dataclasses.dataclass

@@ -8,36 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 import warnings
-from pathlib import Path
 
+import main_job_runs as runs
 import torch
 from harness import run_ranks
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from tiny_training import tiny
 
 # --- in-process: fresh starts, torn saves, generators, registered objects, data positions ------
-
-
-def _tiny(smp, config):
-    smp.init(config)
-    torch.manual_seed(0)
-    model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @smp.step
-    def train(x):
-        loss = model(x).square().mean()
-        model.backward(loss)
-        return loss
-
-    train(torch.ones(4, 4))
-    optimizer.step()
-    return model, optimizer
 
 
 class Counter:
@@ -57,7 +35,7 @@ def _fresh_torn_and_rank_state(rank, world_size, folder):
     import smp
 
     out = {}
-    model, optimizer = _tiny(smp, {})
+    model, optimizer, _ = tiny(smp, {})
     out["fresh"] = (
         smp.resume_from_checkpoint(os.path.join(folder, "nothing_here")),
         smp.resume_from_checkpoint(folder),
@@ -77,7 +55,7 @@ def _fresh_torn_and_rank_state(rank, world_size, folder):
         os.makedirs(os.path.join(folder, "s2_partial.incomplete"))
     smp.barrier()
     smp.parallel_state.reset()
-    model, optimizer = _tiny(smp, {})
+    model, optimizer, _ = tiny(smp, {})
     late = Counter()
     loader = smp.data_loader(list(range(40)), batch_size=2, shuffle=True, seed=3)
     with warnings.catch_warnings(record=True) as caught:
@@ -111,7 +89,7 @@ def _loader_on_replicas(rank, world_size, folder, config, batch_size, save):
     """Reads 3 batches, saves (if `save`), returns the next one; or resumes and returns the next."""
     import smp
 
-    model, optimizer = _tiny(smp, config)
+    model, optimizer, _ = tiny(smp, config)
     loader = smp.data_loader(list(range(64)), batch_size=batch_size, shuffle=True, seed=5)
     if save:
         batches = iter(loader)
@@ -138,7 +116,6 @@ def test_data_loader_resumes_on_fewer_replicas_with_the_same_global_batch(tmp_pa
 
 STEPS, SAVE_EVERY = 16, 4
 JOB = [
-    str(ROOT / "examples" / "train_gpt2.py"),
     *("--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--layers", "2", "--dim", "32"),
     *(
         "--seq-len",
@@ -157,69 +134,6 @@ JOB = [
 ]
 
 
-def _torchrun(procs: int, folder: Path, *extra: str, restarts: int = 0) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
-    args += [f"--max-restarts={restarts}", *JOB, "--checkpoint-dir", str(folder / "ck")]
-    args += ["--out-dir", str(folder / "out"), *extra]
-    log = open(folder / "log.txt", "a")  # noqa: SIM115  (closed with the process)
-    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, folder: Path, timeout: float = 300) -> None:
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, (folder / "log.txt").read_text()[-3000:]
-
-
-def _newest(folder: Path) -> str:
-    newest = folder / "ck" / "newest"
-    return newest.read_text().strip() if newest.exists() else ""
-
-
-def _during_a_save(folder: Path, proc: subprocess.Popen, timeout: float = 240) -> str:
-    """Waits until a save after the first complete checkpoint is being written (its .incomplete
-    folder exists: a kill now tears it); returns the newest complete checkpoint then."""
-    deadline = time.monotonic() + timeout
-    while True:
-        newest = _newest(folder)
-        if newest and any(p.name.endswith(".incomplete") for p in (folder / "ck").iterdir()):
-            return newest
-        assert proc.poll() is None and time.monotonic() < deadline, (folder / "log.txt").read_text()[-3000:]
-        time.sleep(0.002)
-
-
-def _workers(proc: subprocess.Popen) -> list[int]:
-    """The worker processes torchrun started (its descendants running the script)."""
-    found, frontier = [], [proc.pid]
-    while frontier:
-        out = subprocess.run(
-            ["ps", "-o", "pid=", "--ppid", str(frontier.pop())], capture_output=True, text=True
-        )
-        children = [int(pid) for pid in out.stdout.split()]
-        frontier += children
-        found += [pid for pid in children if "train_gpt2.py" in Path(f"/proc/{pid}/cmdline").read_text()]
-    return sorted(found)
-
-
-def _final_state(folder: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(folder / "ck" / f"step_{STEPS}_partial"), str(folder / "final.pt"))
-    return torch.load(folder / "final.pt")
-
-
-def _max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(
-        (a[k].double() - b[k].double()).abs().max().item() for k in a if isinstance(a[k], torch.Tensor)
-    )
-
-
 def test_main_job_survives_a_killed_rank_and_resumes_on_fewer_processes(tmp_path):
     """Two data-parallel replicas: uninterrupted; with one rank SIGKILLed while a checkpoint is being
     written, under --max-restarts=1 (torchrun restarts the workers, the job resumes by itself from
@@ -230,18 +144,17 @@ def test_main_job_survives_a_killed_rank_and_resumes_on_fewer_processes(tmp_path
     plain, killed, fewer = (tmp_path / name for name in ("plain", "killed", "fewer"))
     for folder in (plain, killed, fewer):
         folder.mkdir()
-    _finish(_torchrun(2, plain), plain)
-    proc = _torchrun(2, killed, restarts=1)
-    _during_a_save(killed, proc)
-    os.kill(_workers(proc)[-1], signal.SIGKILL)
-    _finish(proc, killed)
-    proc = _torchrun(2, fewer)
-    _during_a_save(fewer, proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job lost; it comes back on one process
-    proc.wait()
-    _finish(_torchrun(1, fewer), fewer)
-    reference = _final_state(plain)
-    assert _max_difference(reference, _final_state(killed)) == 0.0
-    assert _max_difference(reference, _final_state(fewer)) < 1e-6
+    runs.finish(runs.torchrun(2, plain, JOB), plain)
+    proc = runs.torchrun(2, killed, JOB, restarts=1)
+    runs.during_a_save(killed, proc)
+    os.kill(runs.workers(proc)[-1], signal.SIGKILL)
+    runs.finish(proc, killed)
+    proc = runs.torchrun(2, fewer, JOB)
+    runs.during_a_save(fewer, proc)
+    runs.kill_all(proc)  # the whole job lost; it comes back on one process
+    runs.finish(runs.torchrun(1, fewer, JOB), fewer)
+    reference = runs.final_state(plain, STEPS)
+    assert runs.max_difference(reference, runs.final_state(killed, STEPS)) == 0.0
+    assert runs.max_difference(reference, runs.final_state(fewer, STEPS)) < 1e-6
     starts = (killed / "log.txt").read_text().count(" parameters, pp=")  # rank 0's line at each start
     assert starts == 2, starts  # torchrun restarted the workers once

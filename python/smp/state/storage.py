@@ -67,17 +67,53 @@ def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | 
     write(others, os.path.join(folder, _OPTIMIZER_FILE))
 
 
-def staged(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Host copies of `tensors` (Slices or tensors), for writing while training changes the originals."""
-    copies: dict[str, Any] = {}
-    for key, value in tensors.items():
-        if isinstance(value, Slices):
-            copy = Slices(value.global_shape, value.dtype)
-            copy.pieces = [(offsets, view.detach().to("cpu", copy=True)) for offsets, view in value.pieces]
-            copies[key] = copy
-        else:
-            copies[key] = value.detach().to("cpu", copy=True)
-    return copies
+def nbytes(tensors: dict[str, Any]) -> int:
+    """The bytes `tensors` (Slices or tensors) hold: what staging them copies."""
+    total = 0
+    for value in tensors.values():
+        views = [view for _, view in value.pieces] if isinstance(value, Slices) else [value]
+        total += sum(view.numel() * view.element_size() for view in views)
+    return total
+
+
+class Staging:
+    """Host copies of a save's tensors (Slices or tensors), for a background thread to write while
+    training changes the originals. The copies' buffers are kept for the next background save:
+    copying into memory already mapped costs a fifth of copying into fresh pages (whose first
+    touch faults and zeroes them: 0.59 s against 0.12 s of processor time per GB here); the peak
+    is the same, it is only not given back between saves (`release`)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Copies of `tensors`; the previous copies' buffers must no longer be in use."""
+        kept, self._buffers = self._buffers, {}
+        copies: dict[str, Any] = {}
+        for key, value in tensors.items():
+            if isinstance(value, Slices):
+                copy = Slices(value.global_shape, value.dtype)
+                pieces = enumerate(value.pieces)
+                copy.pieces = [(offsets, self._copy((key, i), view, kept)) for i, (offsets, view) in pieces]
+                copies[key] = copy
+            else:
+                copies[key] = self._copy((key,), value, kept)
+        return copies
+
+    def _copy(self, name: tuple, source: torch.Tensor, kept: dict) -> torch.Tensor:
+        source = source.detach()
+        if type(source) is not torch.Tensor:  # (a tensor subclass: copied as it asks)
+            return source.to("cpu", copy=True)
+        buffer = kept.get(name)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype)
+        buffer.copy_(source)
+        self._buffers[name] = buffer
+        return buffer
+
+    def release(self) -> None:
+        """Gives the kept buffers back (the next background save copies into fresh memory)."""
+        self._buffers = {}
 
 
 class Reader:

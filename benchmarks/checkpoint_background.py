@@ -1,0 +1,163 @@
+"""The background-save part of benchmarks/checkpoint.py (issue 49, item 4): how long training stalls
+for a save with `async_save=True` against a synchronous save of the same state, where the stall
+comes from, and the host memory the background save holds while it writes.
+
+Each round: steps without a save (their median is the plain step time), one synchronous partial
+save (its time is the training's stall for it), then one background save: the pause until the call
+returns (the state copied to host memory), training steps while the thread writes (each one's
+excess over the plain step time is stall too), and the wait once every rank's thread is done.
+stall = pause + the steps' excess + the wait; the goal is at most 10% of the synchronous save's.
+
+Where a step's time goes, from the training thread's /proc schedstat (kernel accounting, so it
+holds on a busy machine): on a processor (cpu), runnable but waiting for one (queued: the
+machine's other work, the writer thread among it), and neither (blocked: waiting for peers in a
+collective, or for the GIL while the writer thread holds it). The writer thread's own processor
+time is `PendingSave.cpu_seconds`.
+
+Memory: `PendingSave.staged_bytes` (the copy of this rank's state), and the process's resident set
+(VmRSS) sampled after the call and after each step while writing, less its value before the call.
+Each figure is the largest over ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import smp
+import torch
+import torch.distributed as dist
+
+PLAIN_STEPS = 3
+PARTS = ("cpu", "queued", "blocked")
+
+
+def rss() -> int:
+    """This process's resident set, bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _schedstat() -> tuple[float, float]:
+    """This thread's time on a processor and waiting for one, seconds."""
+    with open("/proc/thread-self/schedstat") as f:
+        on_cpu, queued, _ = f.read().split()
+    return int(on_cpu) / 1e9, int(queued) / 1e9
+
+
+def _largest(value: float) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _everyone_done(pending) -> bool:
+    finished = torch.tensor(int(pending.done()))
+    dist.all_reduce(finished, op=dist.ReduceOp.MIN)  # every rank steps until all are done
+    return bool(finished.item())
+
+
+class Accounted:
+    """fn's time on the slowest rank (`timed`), and this thread's cpu / queued / blocked split of it."""
+
+    def __init__(self, timed):
+        self.timed = timed
+
+    def __call__(self, fn) -> dict:
+        parts = {}
+
+        def run() -> None:
+            cpu, queued, wall = *_schedstat(), time.perf_counter()
+            fn()
+            cpu2, queued2 = _schedstat()
+            parts["cpu"], parts["queued"] = cpu2 - cpu, queued2 - queued
+            parts["blocked"] = time.perf_counter() - wall - parts["cpu"] - parts["queued"]
+
+        wall = self.timed(run)
+        return {"wall": wall} | {k: _largest(v) for k, v in parts.items()}
+
+
+def _sum(rows: list[dict]) -> dict:
+    return {k: sum(r[k] for r in rows) for k in rows[0]}
+
+
+def measure(repeats: int, folder: str, model, opt, step, timed) -> list[dict]:
+    """`repeats` rounds; `step` trains one step, `timed(fn)` is fn's time on the slowest rank."""
+    accounted = Accounted(timed)
+    rounds = []
+    for _ in range(repeats):
+        plain_rows = [accounted(step) for _ in range(PLAIN_STEPS)]
+        plain = {k: statistics.median(r[k] for r in plain_rows) for k in plain_rows[0]}
+        cpu = time.thread_time()
+        sync = accounted(lambda: smp.save_checkpoint(folder, "sync", model=model, optimizer=opt))
+        sync_cpu = _largest(time.thread_time() - cpu)
+        before = rss()
+        started = []
+
+        def start(started=started) -> None:
+            saving = smp.save_checkpoint(folder, "background", model=model, optimizer=opt, async_save=True)
+            started.append(saving)
+
+        pause = accounted(start)
+        pending = started.pop()
+        peak = rss()
+        during = []
+        while True:
+            during.append(accounted(step))
+            peak = max(peak, rss())
+            if _everyone_done(pending):
+                break
+        wait = timed(pending.wait)
+        excess = {k: v - len(during) * plain[k] for k, v in _sum(during).items()}
+        stall = pause["wall"] + excess["wall"] + wait
+        rounds.append(
+            {
+                "plain_step": plain,
+                "sync_save": sync,
+                "sync_save_cpu_s": sync_cpu,
+                "pause": pause,
+                "steps_during": [d["wall"] for d in during],
+                "excess": excess,
+                "wait_s": wait,
+                "stall_s": stall,
+                "stall_vs_sync": stall / sync["wall"],
+                "writer_cpu_s": _largest(pending.cpu_seconds),
+                "staged_bytes": _largest(pending.staged_bytes),
+                "rss_growth_bytes": _largest(peak - before),
+            }
+        )
+    return rounds
+
+
+def _split(d: dict) -> str:
+    return " / ".join(f"{d[k]:.3f}" for k in PARTS)
+
+
+def report(rounds: list[dict]) -> None:
+    print("background save (async_save=True) against a synchronous save of the same state:")
+    print(
+        f"{'round':>5} {'sync s':>7} {'pause s':>7} {'plain step':>10} {'steps while writing':>20} "
+        f"{'excess s':>8} {'wait s':>6} {'stall s':>7} {'stall/sync':>10} {'staged MB':>9} {'RSS+ MB':>7}"
+    )
+    for i, r in enumerate(rounds):
+        during = ", ".join(f"{d:.3f}" for d in r["steps_during"])
+        print(
+            f"{i:>5} {r['sync_save']['wall']:7.3f} {r['pause']['wall']:7.3f} {r['plain_step']['wall']:10.3f} "
+            f"{during:>20} {r['excess']['wall']:8.3f} {r['wait_s']:6.3f} {r['stall_s']:7.3f} "
+            f"{r['stall_vs_sync']:10.3f} {r['staged_bytes'] / 1e6:9.1f} {r['rss_growth_bytes'] / 1e6:7.1f}"
+        )
+    print("where the time went (training thread, s: cpu / queued for a processor / blocked):")
+    for i, r in enumerate(rounds):
+        print(
+            f"{i:>5} sync save {_split(r['sync_save'])} (cpu {r['sync_save_cpu_s']:.3f}); "
+            f"pause {_split(r['pause'])}; steps' excess {_split(r['excess'])}; "
+            f"writer thread cpu {r['writer_cpu_s']:.3f}"
+        )
+    ratios = [r["stall_vs_sync"] for r in rounds]
+    print(
+        f"stall / synchronous save: median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 0.10)"
+    )
