@@ -65,6 +65,7 @@ def main():
     parser.add_argument("--checkpoint_dir", default="")
     parser.add_argument("--resume", type=int, default=0)
     parser.add_argument("--results", default="")
+    parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
 
     smp_config = {
@@ -105,7 +106,7 @@ def main():
 
     model = smp.DistributedModel(model, backward_passes_per_step=args.gradient_accumulation)
     num_params = sum(p.numel() for p in model.get_module().parameters())
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     optimizer = smp.DistributedOptimizer(
         optimizer,
         static_loss_scale=None,

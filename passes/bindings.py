@@ -5,8 +5,8 @@ A captured graph calls each op as an OpOverload (`torch.ops.aten.linear.default(
 the Python arguments. Eager PyTorch code calls the same ops through their generated Python
 bindings (`torch._C._nn.linear`, `torch.layer_norm`, `Tensor.view`), which parse the arguments
 straight into the C++ call. On small microbatches the host decides a stage's time, and a stage's
-forward through the OpOverloads measured 5-7% slower than the same layers as modules (CPU, GPT
-blocks of width 128); through the bindings it runs as fast as the modules.
+forward through the OpOverloads was slower than the same layers as modules; through the bindings
+it runs as fast as the modules (docs/benchmarks.md, "Host overhead").
 
 `use_python_bindings(gm)` gives a GraphModule (and each GraphModule inside it) a forward
 generated from a copy of its graph in which every ATen op that has a binding calls the binding,

@@ -5,7 +5,8 @@ SMP_CONFIG, or as JSON in SM_HP_MP_PARAMETERS (where SageMaker's launcher put it
 Precedence, key by key: SM_HP_MP_PARAMETERS over the script's dict over SMP_CONFIG. The
 launcher's config winning over the script's is SMP v1's behaviour on SageMaker (scripts say
 so in comments); SMP_CONFIG is smp's own default layer. Every mistake is a ValueError that
-names the key, the value and the fix.
+names the key, the value and the fix: the checks are smp.config_rules' tables, and the values that
+change nothing (warned about) smp.inert's.
 """
 
 from __future__ import annotations
@@ -13,51 +14,22 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import itertools
 import json
-import math
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from smp import schedules
-from smp.config_options import (
-    TimelineOptions,
-    check_compile,
-    check_timeline,
-    check_timeout,
-    type_error,
-    warn_unmapped_sdp_keys,
-)
+from smp import inert, schedules
+from smp.config_options import TimelineOptions
+from smp.config_rules import PLACEMENT_ALIASES as PLACEMENT_ALIASES
+from smp.config_rules import PLACEMENT_ORDERS as PLACEMENT_ORDERS
+from smp.config_rules import VALUES, check_agreement
+from smp.inert import LEGACY_NO_OP_KEYS as LEGACY_NO_OP_KEYS
 
 DEFAULTS_VAR = "SMP_CONFIG"  # below the script's dict
 LAUNCHER_VAR = "SM_HP_MP_PARAMETERS"  # above it, as on SageMaker
 ENV_VARS = (DEFAULTS_VAR, LAUNCHER_VAR)
-PLACEMENT_ALIASES = {"cluster": "DPT", "spread": "TPD"}
-PLACEMENT_ORDERS = tuple("".join(p) for p in itertools.permutations("DPT"))
-
-_PLUMBING = "configured SMP v1's plumbing (SageMaker, Horovod)"
-# SMP v1 keys that real scripts pass and that change nothing in smp: accepted, with a
-# warning that says why. key -> a predicate of the key, why it has no effect.
-LEGACY_NO_OP_KEYS = {
-    "ddp_port": _PLUMBING,
-    "ddp_dist_backend": _PLUMBING + "; smp's groups always use the 'smp' backend",
-    "contiguous": _PLUMBING,
-    "horovod": _PLUMBING,
-    "predefined_hooks": _PLUMBING,
-    "deterministic_server": "configured SMP v1's parameter server, which smp does not have",
-    "static_mode": "asked SMP v1 to trace once and reuse the graph, which smp always does",
-    "fast_mode": "asked SMP v1 to send activations straight to the stages that use them, which smp "
-    "always does",
-    "checkpoint_attentions": "checkpointed attention inside SMP v1's own DistributedTransformer "
-    "layers; smp shards the model's own layers",
-    "_match_weights": "checked SMP v1's re-initialized distributed weights; smp slices the original "
-    "weights, so they always match",
-    "_fp32_grad_accumulation": "asked for fp32 gradient accumulation, which smp always does under bf16/fp16",
-    "fp16_params": "asked for fp16 distributed parameters; smp's parameter dtype follows 'fp16' / "
-    "'bf16' (set 'fp16': true)",
-}
 
 ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
 # Keys whose null means "SMP's default" (SMP's own config had default_partition: None).
@@ -182,21 +154,6 @@ class Config:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _schedule = functools.lru_cache(maxsize=16)(schedules.Schedule)
-# A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
-# milliseconds) and datetime.timedelta can hold.
-# The pipeline schedules are smp.schedules' kinds.
-_CHOICES = {"pipeline": schedules.NAMES, "optimize": ("speed", "memory")}
-
-
-_POSITIVE_INTS = (
-    "pipeline_parallel_degree",
-    "tensor_parallel_degree",
-    "microbatches",
-    "activation_loading_horizon",
-    "sharded_data_parallel_degree",
-    "signature_warn_after",
-    "signature_cache_size",
-)
 
 
 def from_env(var: str | None = None) -> dict[str, Any]:
@@ -233,9 +190,9 @@ def parse(config: Mapping[str, Any] | None = None) -> Config:
     merged = {**_normalized(from_env(DEFAULTS_VAR), DEFAULTS_VAR), **script, **launcher}
     if "timeline" not in merged and os.environ.get(TIMELINE_VAR):
         merged["timeline"] = {"path": os.environ[TIMELINE_VAR]}
-    values = {name: _check_value(name, value) for name, value in merged.items()}
-    config = _check_combination(Config(**values))
-    warn_unmapped_sdp_keys(merged, config.sharded_data_parallel_degree)
+    config = Config(**{name: VALUES[name](name, value) for name, value in merged.items()})
+    check_agreement(config)
+    inert.warn_config_values(merged, config.sharded_data_parallel_degree)
     return config
 
 
@@ -246,7 +203,7 @@ def _normalized(source: dict[str, Any], where: str) -> dict[str, Any]:
     for key, value in source.items():
         name = ALIASES.get(key, key)
         if name in LEGACY_NO_OP_KEYS:
-            _warn_no_op(name)
+            inert.warn_dropped_key(name)
             continue
         if name not in _FIELDS:
             raise ValueError(_unknown_key_message(key))
@@ -262,147 +219,8 @@ def _normalized(source: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _warn_no_op(key: str) -> None:
-    # One warning per key (Python shows a given warning once per call site).
-    warnings.warn(f"smp config: '{key}' {LEGACY_NO_OP_KEYS[key]}; accepted, with no effect", stacklevel=4)
-
-
 def _unknown_key_message(key: str) -> str:
     known = sorted([*_FIELDS, *ALIASES])
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(_FIELDS))}"
     return f"smp config: unknown key '{key}'{hint}"
-
-
-def _check_value(name: str, value: Any) -> Any:
-    default = _FIELDS[name].default
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise type_error(name, value, "true or false")
-        return value
-    if name in ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters"):
-        # SMP v1 scripts write them as int(5e8) or 5e8
-        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        if bad or value < 0 or value != int(value):
-            raise type_error(name, value, "a non-negative whole number of elements, e.g. 500000000")
-        return int(value)
-    if name == "sdp_gradient_clipping":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise type_error(name, value, "a number (the L2 norm to clip to; <= 0: no clipping)")
-        return float(value)
-    if name == "memory_weight":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise type_error(name, value, "a number in [0, 1]")
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"smp config: 'memory_weight' must be in [0, 1], got {value!r}")
-        return float(value)
-    if name in ("placement_strategy", *_CHOICES) and not isinstance(value, str):
-        raise type_error(name, value, "a string")  # (a list or dict is not even hashable)
-    if name == "placement_strategy":
-        if value not in PLACEMENT_ALIASES and value not in PLACEMENT_ORDERS:
-            raise ValueError(
-                f"smp config: 'placement_strategy' must be 'cluster', 'spread' or a permutation of "
-                f"'DPT' ({', '.join(PLACEMENT_ORDERS)}), got {value!r}"
-            )
-        return value
-    if name == "ordered_messages":
-        if value is not None and not isinstance(value, bool):
-            raise type_error(name, value, "true, false or null (null: on for CUDA, off for CPU)")
-        return value
-    if name == "shard_gradients":
-        if value is not None and not isinstance(value, bool):
-            raise type_error(name, value, "true, false or null (null: where it saves memory)")
-        return value
-    if name == "timeout":
-        return check_timeout(value, "'timeout'")
-    if name == "timeline":
-        return check_timeline(value)
-    if name == "compile":
-        return check_compile(value)
-    if name in _CHOICES:
-        if value not in _CHOICES[name]:
-            choices = " or ".join(repr(c) for c in _CHOICES[name])
-            raise ValueError(f"smp config: '{name}' must be {choices}, got {value!r}")
-        return value
-    # The remaining fields are integers.
-    if value is None and name == "active_microbatches":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise type_error(name, value, "an integer")
-    if (name in _POSITIVE_INTS or name == "active_microbatches") and value < 1:
-        raise ValueError(f"smp config: '{name}' must be a positive integer, got {value!r}")
-    if name == "default_partition" and value < 0:
-        raise ValueError(f"smp config: 'default_partition' must be >= 0, got {value!r}")
-    return value
-
-
-def _check_combination(config: Config) -> Config:
-    pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
-    if config.fp16 and config.bf16:
-        raise ValueError("smp config: 'fp16' and 'bf16' are both true; choose one half-precision type")
-    if config.active_microbatches is not None and config.active_microbatches > config.microbatches:
-        raise ValueError(
-            f"smp config: active_microbatches ({config.active_microbatches}) exceeds microbatches "
-            f"({config.microbatches}); set active_microbatches <= microbatches"
-        )
-    stages = schedules.num_stages(config.pipeline, pp)
-    if config.default_partition >= stages:
-        counted = "pipeline_parallel_degree" if stages == pp else "the stages, 2 x pipeline_parallel_degree"
-        raise ValueError(
-            f"smp config: default_partition ({config.default_partition}) must be in [0, "
-            f"{counted}) = [0, {stages}); set it to a stage index below {stages}"
-        )
-    if config.sharded_data_parallel_degree != 1:
-        _check_sdp(config)
-    _check_cuda_graphs(config)
-    if tp & (tp - 1):
-        warnings.warn(
-            f"smp config: tensor_parallel_degree={tp} is not a power of two; SMP recommends 2, 4 or 8 "
-            "(at most the GPUs per node) for efficient collectives",
-            stacklevel=3,
-        )
-    return config
-
-
-# torch.compile modes that record CUDA graphs (CUDAGraph trees).
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def _check_cuda_graphs(config: Config) -> None:
-    """CUDA graphs only where they were measured to keep parity: a model that runs whole. A graph
-    overwrites its outputs at the next replay; a pipeline keeps several microbatches' outputs and
-    messages alive at once, and sharded layouts run collectives and FSDP2's hooks between graphs."""
-    mode = (config.compile or {}).get("mode")
-    if mode not in _CUDA_GRAPH_MODES:
-        return
-    layout = {
-        "pipeline_parallel_degree": config.pipeline_parallel_degree,
-        "tensor_parallel_degree": config.tensor_parallel_degree,
-        "sharded_data_parallel_degree": config.sharded_data_parallel_degree,
-    }
-    over = {k: v for k, v in layout.items() if v != 1}
-    if over:
-        listed = ", ".join(f"{k}={v}" for k, v in over.items())
-        raise ValueError(
-            f"smp config: compile mode {mode!r} records CUDA graphs, which smp supports only for a model "
-            f"that runs whole (every degree 1), not with {listed}; use 'compile': true (or mode "
-            "'default' / 'max-autotune-no-cudagraphs') in this layout"
-        )
-
-
-def _check_sdp(config: Config) -> None:
-    """Sharded data parallelism (smp.sharded_data, on FSDP2) with what it cannot serve: each a
-    clear error naming the fix."""
-    sdp = config.sharded_data_parallel_degree
-    head = f"smp config: sharded_data_parallel_degree={sdp}"
-    if config.shard_optimizer_state:
-        raise ValueError(
-            f"{head} already shards the optimizer state (with the parameters and gradients); "
-            "shard_optimizer_state=True is its ZeRO-1 alternative: set only one of them"
-        )
-    if config.schedule().splits_backward:
-        raise ValueError(
-            f"{head} with pipeline '{config.pipeline}': FSDP2 reduce-scatters a layer's gradients "
-            "when its backward ends, but this schedule computes weight gradients later; use "
-            "pipeline 'interleaved' or 'simple'"
-        )

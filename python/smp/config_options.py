@@ -1,11 +1,9 @@
 """The config's structured values: the timeline's options, torch.compile's arguments and group
-timeouts, each checked with an error that names the key, the value and the fix; and the sdp_*
-keys FSDP2 has no counterpart for."""
+timeouts, each checked with an error that names the key, the value and the fix."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,21 +98,3 @@ def check_compile(value: Any) -> dict | None:
             f"smp config: 'compile' dynamic must be true, false or null, got {value['dynamic']!r}"
         )
     return dict(value)
-
-
-# sdp_* keys FSDP2 has no counterpart for: given with sharded_data_parallel_degree > 1, they warn.
-SDP_UNMAPPED = {
-    "sdp_reduce_bucket_size": "FSDP2 reduce-scatters each sharded unit's (layer's) gradients as one "
-    "collective, so the unit is the bucket; there is no bucket size to set",
-    "sdp_hierarchical_allgather": "FSDP2 all-gathers each unit over the sdp group in one collective "
-    "(NCCL picks its own algorithm across nodes); there is no two-level all-gather to turn on",
-}
-
-
-def warn_unmapped_sdp_keys(given: Mapping[str, Any], sdp: int) -> None:
-    """The sdp_* keys a script set that FSDP2 cannot honour (only when sdp is on)."""
-    if sdp == 1:
-        return
-    for key, why in SDP_UNMAPPED.items():
-        if key in given and not (key == "sdp_hierarchical_allgather" and given[key] is False):
-            warnings.warn(f"smp config: '{key}' has no effect: {why}", stacklevel=4)

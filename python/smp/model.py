@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp import hf, parallel_state, recompute
+from smp import hf, inert, parallel_state, recompute
 from smp.engine import Engine
 from smp.services import microbatch
 from smp.state import model_state
@@ -22,7 +22,8 @@ class DistributedModel(nn.Module):
     Effective arguments: trace_execution_times (partition by measured op times instead
     of FLOPs), average_grads_across_microbatches, bucket_cap_mb (data-parallel
     buckets), broadcast_buffers (replicas take the first replica's buffers every step).
-    Accepted for SMP scripts, without effect: trace_device (the capture runs where the
+    Accepted for SMP scripts, without effect (smp.inert.MODEL_ARGUMENTS: a value other than SMP's
+    default warns once, saying why): trace_device (the capture runs on fake tensors where the
     first microbatch's tensors are), trace_memory_usage, overlapping_allreduce (buckets
     always start during backward), find_unused_parameters (unused parameters are always
     handled), gradient_as_bucket_view. backward_passes_per_step=N accumulates gradients over N
@@ -70,6 +71,15 @@ class DistributedModel(nn.Module):
                 f"smp.DistributedModel: backward_passes_per_step={backward_passes_per_step} must be >= 1 "
                 "(the number of steps whose gradients one optimizer step applies)"
             )
+        inert.warn_model_arguments(
+            {
+                "trace_device": trace_device,
+                "trace_memory_usage": trace_memory_usage,
+                "overlapping_allreduce": overlapping_allreduce,
+                "find_unused_parameters": find_unused_parameters,
+                "gradient_as_bucket_view": gradient_as_bucket_view,
+            }
+        )
         super().__init__()
         self._modules["module"] = module  # its names in this one's: "module.<name>" (the property below)
         self.engine = Engine(

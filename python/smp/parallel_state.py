@@ -232,8 +232,8 @@ def reset(keep_groups: bool = False) -> None:
 
     Destroys the groups smp created (a collective: call it on every rank); the default
     process group stays. With keep_groups, they are kept instead, for a later smp.init with the
-    same layout and timeout (destroying and creating groups costs ~50 ms each: tests that
-    initialize thousands of times keep them).
+    same layout and timeout (destroying and creating them dominates an init: docs/benchmarks.md,
+    "Costs the code's choices rest on"; tests that initialize thousands of times keep them).
     """
     global _state
     if _state is None:

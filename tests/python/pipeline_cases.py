@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 LR = 1e-3
+# Under bf16 a parity test trains with SGD (Adam's first steps move a parameter by ~lr whatever its
+# gradient, so bf16's rounding of a tiny gradient moves it as far as training does) and asks the
+# error that tells (trained_error) to be under 1/30 of how far training moved the parameters:
+# measured 1/88 to 1/180 (bf16 computes gradients within about 1%); an untrained model is 1/1 off.
+BF16_MOVED_PER_ERROR = 30
 
 
 def gpt_case(layers: int = 4, **shape):
@@ -135,7 +140,7 @@ def reference(case: str, steps: int, global_batch: int, options=None):
     model, batch, forward, loss_fn = CASES[case]()
     model = copy.deepcopy(model)
     opt, scheduler = make_optimizer(options.get("optimizer", "adam"), model.named_parameters())
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    start = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     losses, norm0 = [], None
     for s in range(steps):
         b = batch(s, global_batch)
@@ -165,6 +170,7 @@ def reference(case: str, steps: int, global_batch: int, options=None):
         "norm0": norm0,
         "state": state,
         "moved": moved,
+        "start": start,
     }
 
 
@@ -271,6 +277,7 @@ def _train_once(smp, case, steps, global_batch, options, ref):
         "losses": losses,
         "loss_err": loss_err,
         "param_err": param_err,
+        "master_err": _master_error(dmodel, opt, ref),
         "moved": ref["moved"],
         "local": sorted(local),
         "shared": sorted(dmodel.partition_plan.shared_parameters) if dmodel.partition_plan else [],
@@ -286,6 +293,37 @@ def _train_once(smp, case, steps, global_batch, options, ref):
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A tensor whole: gathered from its shards where sharded data parallelism cut it (a DTensor)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def trained_error(result: dict) -> float:
+    """The error that tells training apart from none under bf16/fp16: the fp32 masters' where smp
+    keeps them (bf16/fp16 without sdp, whose parameters are the masters rounded), else the
+    parameters' (fp32, and sdp's fp32 shards)."""
+    return result["param_err"] if result["master_err"] is None else result["master_err"]
+
+
+def _master_error(dmodel, opt, ref) -> float | None:
+    """Under bf16/fp16 without sdp: the largest difference, over every rank's chunk, between the
+    fp32 master weights and where the reference's steps take the half-precision start. The
+    half-precision parameters (and the masters copied from them) round the start by up to half a
+    unit in the last place (0.016 for a weight of 4 in bf16), as far as steps of training move them:
+    only this tells training apart from none."""
+    flat = opt.flat_state
+    if flat is None or not flat.groups[0].master_is_copy:
+        return None
+    name_of = {id(p): n for n, p in dmodel.local_named_parameters()}
+    err = 0.0
+    for group in flat.groups:
+        master = group.master.detach().cpu()
+        for p, start, at, n in group.overlaps():
+            name = name_of[id(p)]
+            first = ref["start"][name]
+            want = first.to(group.values.dtype).float() + ref["params"][name] - first
+            want = dmodel._local_part(p, want).flatten()[start : start + n]
+            err = max(err, (master[at : at + n] - want).abs().max().item())
+    worst = torch.tensor([err], device=flat.groups[0].master.device)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # every rank's chunk
+    return worst.item()
 
 
 def _grad_error(dmodel, ref_grads) -> float:

@@ -167,3 +167,15 @@ def test_cuda_graph_compile_modes_only_where_the_model_runs_whole():
             with pytest.raises(ValueError, match=wanted):
                 config.parse(layout | {"compile": {"mode": mode}})
     assert config.parse({"pipeline_parallel_degree": 2, "compile": {"mode": "max-autotune-no-cudagraphs"}})
+
+
+def test_the_rule_tables_cover_the_keys():
+    """Every key has its value check (config_rules.VALUES); every agreement rule and every
+    value that changes nothing (smp.inert) names keys there are."""
+    from smp import config_rules, inert
+
+    assert set(config_rules.VALUES) == set(cfg._FIELDS)
+    for rule in config_rules.AGREEMENT:
+        assert set(rule.keys) <= set(cfg._FIELDS), rule.keys
+    assert set(inert.CONFIG_VALUES) <= set(cfg._FIELDS)
+    assert not set(inert.LEGACY_NO_OP_KEYS) & set(cfg._FIELDS)

@@ -61,20 +61,23 @@ def _gradients_sharded_or_not(rank, world_size, base, options):
     "world_size, base, options",
     [
         (2, {}, {}),
-        (2, {"bf16": True}, {}),
+        (2, {"bf16": True}, {"optimizer": "sgd"}),  # (Adam moves bf16 parameters by its rounding)
         (4, {"pipeline_parallel_degree": 2, "microbatches": 2}, {}),
         (4, {"tensor_parallel_degree": 2, "prescaled_batch": True}, {}),
     ],
     ids=["rdp2", "rdp2_bf16", "pp2_rdp2", "tp2_rdp2"],
 )
 def test_sharded_gradients_train_like_whole_ones(world_size, base, options):
-    """ZeRO-2 against one process (fp32: loss, parameters and the clipped norm) and against ZeRO-1
-    on the same layout (bf16 too: the same fp32 sums, so the same result)."""
+    """ZeRO-2 against one process (fp32: loss, parameters and the clipped norm; bf16: the fp32
+    masters within 1/30 of how far training moved them) and against ZeRO-1 on the same layout (bf16
+    too: the same fp32 sums, so the same result)."""
     for sharded, whole in run_ranks(_gradients_sharded_or_not, world_size, base, options, timeout=600):
         assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-6, abs=1e-7), (sharded, whole)
         assert sharded["norm0"] == pytest.approx(whole["norm0"], rel=1e-6), (sharded, whole)
-        if not base.get("bf16"):
-            for r in (sharded, whole):
+        for r in (sharded, whole):
+            if base.get("bf16"):  # measured: 1/122
+                assert r["master_err"] * pipeline_cases.BF16_MOVED_PER_ERROR < r["moved"], r
+            else:
                 assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL, r
                 assert abs(r["norm0"] - r["ref_norm0"]) <= 1e-5 * r["ref_norm0"], r
 
@@ -228,19 +231,23 @@ def test_fp32_sharded_chunk_is_a_view_of_the_parameters():
 def _bf16_against_fp32(rank, world_size):
     import smp
 
-    steps = 20
-    ref = pipeline_cases.reference("counting", steps, 16)
+    steps, sgd = 20, {"optimizer": "sgd"}  # (Adam's 20 steps moved the weights 8x its bf16 error)
+    ref = pipeline_cases.reference("counting", steps, 16, sgd)
     smp.init({"bf16": True, "shard_optimizer_state": True})
-    result = pipeline_cases._train_once(smp, "counting", steps, 16, {}, ref)
+    result = pipeline_cases._train_once(smp, "counting", steps, 16, sgd, ref)
     dtypes = {p.dtype for p in smp.parallel_state.state().model.parameters()}
-    return ref["losses"], result["loss_err"], dtypes, result["losses"]
+    return ref["losses"], dtypes, result
 
 
 def test_bf16_tracks_fp32():
-    for ref, loss_err, dtypes, _ in run_ranks(_bf16_against_fp32, 2, timeout=300):
+    """20 SGD steps in bf16 (ZeRO-1, fp32 masters) follow fp32's: the loss within 1.5% at every step
+    (measured 0.43%: bf16 rounds a loss of 3 by up to 0.4%), where it falls from 4.2 to 3.0; the masters
+    within 1/30 of how far training moved the weights (measured 1/149)."""
+    for ref, dtypes, r in run_ranks(_bf16_against_fp32, 2, timeout=300):
         assert dtypes == {torch.bfloat16}
-        assert loss_err < 0.03, loss_err  # the loss curve within 3% at every step
-        assert ref[-1] < ref[0] - 0.2  # and it is a curve: the loss falls
+        assert r["loss_err"] < 0.015, r["loss_err"]
+        assert ref[0] - ref[-1] > 10 * 0.015 * ref[-1], ref  # a curve: it falls 10 tolerances
+        assert r["master_err"] * pipeline_cases.BF16_MOVED_PER_ERROR < r["moved"], r
 
 
 def _fp16_overflow(rank, world_size):

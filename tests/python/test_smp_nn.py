@@ -711,7 +711,7 @@ def test_modules_match_dense(tp):
         )
         assert ref_losses[-1] < ref_losses[0]
         assert init["same_seed_equals_dense"] and init["shards_differ"], init
-        assert bf16 < 3e-2, bf16
+        assert 1e-3 < bf16 < 1.5e-2, bf16  # bf16's rounding (measured 0.006): not fp32's, not more
         expected = [
             "DistributedAttentionLayer: num_attention_heads=3 does not divide by the tensor-parallel",
             f"DistributedLinear: out_features=7 does not divide by the tensor-parallel degree {tp}",
@@ -908,6 +908,7 @@ def _gpt2_registered(config, checkpoint=None, momentum=0.0, save_to=None):
         "losses": losses,
         "ref_losses": ref_losses,
         "param_err": max(_max_err(state[k], trained[k]) for k in keys),
+        "moved": max(_max_err(whole[k], trained[k]) for k in keys),  # how far training took them
         "compiles": compiles,
         "state_fraction": _optimizer_state_fraction(dmodel, opt) if momentum else None,
     }
@@ -1022,10 +1023,12 @@ def test_registered_modules_train_like_the_dense_model(tmp_path):
         assert gpt2_tp["loaded_keys_match"] and gpt2_tp["loaded_is_hf_gpt2"], gpt2_tp
         assert gpt2_tp["loaded_vs_distributed"] < 1e-5 and gpt2_tp["loaded_vs_dense"] < 1e-5, gpt2_tp
         assert gpt2_tp["loaded_params_vs_dense"] < 1e-5, gpt2_tp
-        # bf16 (smp's mixed precision) against the fp32 model: bf16's rounding, not more.
+        # bf16 (smp's mixed precision) against the fp32 model: bf16's rounding, not more (measured:
+        # losses 1e-4, parameters 0.0045 of each tensor's largest entry), where the 3 steps moved the
+        # loss by 3% and the parameters 100 times the tolerance (zero-initialized biases: 1.0 of theirs).
         pairs = zip(gpt2_bf16["losses"], gpt2_bf16["ref_losses"], strict=True)
-        assert max(abs(a - b) / b for a, b in pairs) < 2e-2, gpt2_bf16
-        assert gpt2_bf16["param_err"] < 2e-2, gpt2_bf16
+        assert max(abs(a - b) / b for a, b in pairs) < 1e-3, gpt2_bf16
+        assert gpt2_bf16["param_err"] < 1e-2 and gpt2_bf16["moved"] > 50 * 1e-2, gpt2_bf16
 
 
 # --- a custom block as in SMP v1's ViT and custom GPT-2 scripts: register, build, train, save, resume ---

@@ -101,3 +101,63 @@ def test_sdp_keys_default_to_smp_v1s_values_and_are_quiet_without_sdp(key):
         c = cfg.parse({"partitions": 1, key: SDP_KEYS[key]})
     assert not [w for w in caught if key in str(w.message)]
     assert c == cfg.Config() and getattr(c, key) == SDP_KEYS[key]
+
+
+# Keys smp parses and never reads: (key, a value that changed something in SMP v1, SMP's default or
+# what smp always does, which stays quiet).
+INERT_VALUES = [("optimize", "memory", "speed"), ("ddp", False, True), ("skip_tracing", True, False)]
+
+
+def _warnings_naming(name: str, build) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [str(w.message) for w in caught if name in str(w.message)]
+
+
+@pytest.mark.parametrize("key, changed, quiet", INERT_VALUES, ids=[k for k, _, _ in INERT_VALUES])
+def test_values_that_change_nothing_warn_once_saying_why(key, changed, quiet):
+    from smp import inert
+
+    mine = _warnings_naming(f"'{key}'", lambda: cfg.parse({key: changed}))
+    assert mine == [f"smp config: '{key}': {changed!r} has no effect: {inert.CONFIG_VALUES[key][1]}"], mine
+    assert not _warnings_naming(f"'{key}'", lambda: cfg.parse({key: quiet}))
+    assert not _warnings_naming(f"'{key}'", lambda: cfg.parse({}))
+
+
+# DistributedModel's arguments that smp accepts and never reads: (a value that changed something in
+# SMP v1, SMP's default).
+INERT_ARGUMENTS = {
+    "trace_device": ("cpu", "gpu"),
+    "trace_memory_usage": (True, False),
+    "overlapping_allreduce": (False, True),
+    "find_unused_parameters": (True, False),
+    "gradient_as_bucket_view": (True, False),
+}
+
+
+def _model_warnings(rank, world_size):
+    import smp
+    from torch import nn
+
+    out = {}
+    for name, values in INERT_ARGUMENTS.items():
+        for value in values:
+            smp.init({})
+            kwargs = {name: value}
+            out[(name, value)] = _warnings_naming(
+                f"{name}=", lambda k=kwargs: smp.DistributedModel(nn.Linear(2, 2), **k)
+            )
+            smp.parallel_state.reset()
+    return out
+
+
+def test_distributed_model_arguments_that_change_nothing_warn_once_saying_why():
+    from harness import run_ranks
+    from smp import inert
+
+    (out,) = run_ranks(_model_warnings, 1, timeout=120)
+    for name, (changed, default) in INERT_ARGUMENTS.items():
+        why = inert.MODEL_ARGUMENTS[name][1]
+        assert out[(name, changed)] == [f"smp.DistributedModel: {name}={changed!r} has no effect: {why}"], out
+        assert out[(name, default)] == [], (name, out[(name, default)])

@@ -102,13 +102,17 @@ def test_mnist_style_script_pp2_dp2_saves_and_loads_before_the_first_step(tmp_pa
     _check(tmp_path / "run3.json", continued, "full load", replicas=1)
 
 
+# The notebook's lr is 1e-3; at 2e-2 a step moves the bf16 weights far beyond their rounding.
+GPT2_LR = 2e-2
+
+
 def _gpt2_reference(notebook, optimizer_steps: int, passes: int = 2, batch: int = 4):
     """One process, plain torch and transformers: the same model, data, Adam and accumulation."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(notebook.model_config())
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(net.parameters(), lr=GPT2_LR)
     data = notebook.token_batches(optimizer_steps * passes, batch)
     losses = []
     for step in range(optimizer_steps):
@@ -133,13 +137,14 @@ def test_gpt2_notebook_style_script_fp32_then_resumed_in_bf16(tmp_path):
     notebook = _example("v1_gpt2_notebook")
     ckpt = tmp_path / "ckpt"
     # 2 pipeline stages (manual partition), 2 optimizer steps of 2 accumulated passes, fp32.
-    common = ("--checkpoint_dir", str(ckpt), "--results")
+    common = ("--checkpoint_dir", str(ckpt), "--lr", str(GPT2_LR), "--results")
     run_torchrun("examples/v1_gpt2_notebook.py", 2, *common, str(tmp_path / "fp32.json"), timeout=300)
     got = json.loads((tmp_path / "fp32.json").read_text())
-    losses, params = _gpt2_reference(notebook, 2)
+    losses, at_step2 = _gpt2_reference(notebook, 2)
     assert max(abs(a - b) for a, b in zip(got["losses"], losses, strict=True)) < 1e-5, (got["losses"], losses)
-    err = max((torch.tensor(got["params"][k]) - v).abs().max().item() for k, v in params.items())
-    assert err < 1e-5 and got["overflow"] == [False, False], err
+    # (measured 3.5e-5, where the 2 steps moved the weights by 0.04)
+    err = max((torch.tensor(got["params"][k]) - v).abs().max().item() for k, v in at_step2.items())
+    assert err < 1e-4 and got["overflow"] == [False, False], err
     assert (ckpt / "newest").read_text() == "step_2"
     # A new run resumes that checkpoint in bf16 (the same dynamic-loss arguments: no scaling there).
     run_torchrun(
@@ -148,6 +153,16 @@ def test_gpt2_notebook_style_script_fp32_then_resumed_in_bf16(tmp_path):
     )  # fmt: skip
     got = json.loads((tmp_path / "bf16.json").read_text())
     losses, params = _gpt2_reference(notebook, 3)
-    assert max(abs(a - b) for a, b in zip(got["losses"], losses[-2:], strict=True)) < 3e-2, (got, losses)
-    err = max((torch.tensor(got["params"][k]) - v).abs().max().item() for k, v in params.items())
-    assert err < 2e-2 and got["overflow"] == [False], err
+    # The losses of step 3's passes, on the weights resumed (measured 1.4e-4).
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses[-2:], strict=True)) < 1e-3, (got, losses)
+    # Step 3 itself, in bf16: under Adam bf16's rounding of tiny gradients moves single weights as far
+    # as the step does, so the whole step is compared: its error within 1/10 of the step (measured
+    # 1/21; the step skipped is 1/1 off, and masters not taken from the fp32 checkpoint 2.5/1).
+    weights = {k: torch.tensor(got["params"][k]) for k in params}
+    err, step = _norm(weights, params), _norm(params, at_step2)
+    assert err < step / 10 and got["overflow"] == [False], (err, step)
+
+
+def _norm(a: dict, b: dict) -> float:
+    """The L2 norm of a - b over every tensor of a model."""
+    return sum(((a[k].double() - b[k].double()) ** 2).sum().item() for k in b) ** 0.5

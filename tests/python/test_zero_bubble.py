@@ -23,6 +23,7 @@ from transformers.pytorch_utils import Conv1D
 TOL = 1e-5
 MICROBATCHES = (1, 2, 4, 8)
 ORDERED = {"ordered_messages": True}
+MOVED_PER_ERROR = {"bf16": pipeline_cases.BF16_MOVED_PER_ERROR, "fp16": 200}
 
 
 def _layouts(world: int) -> list[dict]:
@@ -55,11 +56,13 @@ def _gpt_runs(world: int) -> list[tuple[str, dict, dict]]:
         cfg = {"pipeline_parallel_degree": 2, "microbatches": 4}
         # bf16 with fp32 gradient accumulation: W's products in bf16, handed to the fp32 buffers by
         # the post-accumulate-grad hooks; compared with interleaved under bf16 (not with fp32).
+        # SGD: under Adam half precision's rounding moves parameters as far as 3 steps do.
+        sgd = {"optimizer": "sgd"}
         for name in ("interleaved", "zero_bubble", "zero_bubble_v"):
-            runs.append((f"bf16 {name}", cfg | {"pipeline": name, "bf16": True}, {}))
+            runs.append((f"bf16 {name}", cfg | {"pipeline": name, "bf16": True}, sgd))
         # fp16 with dynamic loss scaling: W's products carry the scale, which the optimizer divides
         # out after every W has run; the same steps as interleaved under fp16.
-        scaling = {
+        scaling = sgd | {
             "optimizer_kwargs": {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**10}}
         }
         for name in ("interleaved", "zero_bubble", "zero_bubble_v"):
@@ -123,7 +126,7 @@ def _frozen_runs(world: int) -> list[tuple[str, dict, dict]]:
 
 def _matrix(rank, world_size):
     keep = ("loss_err", "param_err", "grad_err", "activation_peak", "kept_gradients_peak", "losses")
-    keep += ("norm0", "ref_norm0")
+    keep += ("norm0", "ref_norm0", "master_err", "moved")
     out = []
     cases = (
         ("gpt", _gpt_runs),
@@ -159,13 +162,15 @@ def _check(per_rank):
             for a, b in zip(zb["losses"], il["losses"], strict=True):
                 assert abs(a - b) <= 1e-6 * abs(b), (half, zb["losses"], il["losses"])
             assert abs(zb["param_err"] - il["param_err"]) <= 1e-6 * il["param_err"], (half, zb, il)
-            assert il["param_err"] < 1e-2, (half, il)  # and both trained (near the fp32 reference)
             # zero_bubble_v cuts 4 stages: the tied embedding/head's two gradients meet on one rank
             # in another order than over ranks, which rounds differently in half precision.
             zv = by_name[f"{half} zero_bubble_v"]
             for a, b in zip(zv["losses"], il["losses"], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (half, zv["losses"], il["losses"])
-            assert zv["param_err"] < 1e-2, (half, zv)
+            # And all trained as one process does: their fp32 masters within 1/30 (bf16; fp16: 1/200)
+            # of how far training moved the parameters (measured: 1/88 and 1/750).
+            for r in (il, zb, zv):
+                assert pipeline_cases.trained_error(r) * MOVED_PER_ERROR[half] < r["moved"], (half, r)
 
 
 @pytest.mark.slow

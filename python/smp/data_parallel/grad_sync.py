@@ -57,9 +57,9 @@ def worth_sharding(
     """The rule for sharded gradients left unset (config "shard_gradients": null): on where they save
     memory without costing time. Replicas to average, one microbatch and no accumulation over steps
     (else every bucket lives through the whole backward), CUDA parameters (on the host each step's
-    fresh bucket storage costs page faults: 14% more step time in benchmarks/optimizer.py on 2 CPU
-    ranks; CUDA's caching allocator reuses the blocks), and more saved than the buckets in flight
-    cost, twice over (small models keep their whole gradients, and torch's .grad)."""
+    fresh bucket storage costs page faults, which slow the step: docs/benchmarks.md, "Bytes per
+    parameter a rank holds"; CUDA's caching allocator reuses the blocks), and more saved than the
+    buckets in flight cost, twice over (small models keep their whole gradients, and torch's .grad)."""
     if replicas < 2 or backwards != 1 or windowed or not on_cuda:
         return False
     saved = grad_bytes * (1 - 1 / replicas)

@@ -38,8 +38,9 @@ def broadcast_over(
 
 
 class BufferSlots:
-    """A module's buffers by their slots, listed once: walking the modules every step costs ~0.6 ms
-    on a small model. A buffer a module assigned anew since is read from its slot."""
+    """A module's buffers by their slots, listed once: walking the modules every step was a host
+    cost a step could see (docs/benchmarks.md, "Host overhead"). A buffer a module assigned anew
+    since is read from its slot."""
 
     def __init__(self, module: nn.Module):
         self._slots = [(m, name) for m in module.modules() for name, _ in m.named_buffers(recurse=False)]

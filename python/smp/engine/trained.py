@@ -20,7 +20,8 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 class TrainedSet:
     """Reads the flags of the parameters the module had when the set was taken (listing them anew
-    each step walked every submodule: about 1 ms a step on a small Hugging Face model)."""
+    each step walked every submodule, a host cost a step could see: docs/benchmarks.md, "Host
+    overhead")."""
 
     def __init__(self, module: nn.Module):
         self._module = module

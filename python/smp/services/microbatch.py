@@ -36,8 +36,8 @@ def current() -> Microbatch | None:
 def _held_lock() -> _thread.LockType:
     """A lock that starts held: release() lets one acquire() through (a binary semaphore). The
     hand-overs between the scheduler and a microbatch use these plain locks: threading.Semaphore
-    and Event are Python-level conditions that allocate a waiter lock on every wait (a resume +
-    pause round trip costs less with plain locks: docs/benchmarks.md, "host overhead")."""
+    and Event are Python-level conditions that allocate a waiter lock on every wait (their round
+    trips cost more CPU: docs/benchmarks.md, "Host overhead")."""
     lock = _thread.allocate_lock()
     lock.acquire()
     return lock
@@ -238,9 +238,8 @@ class Microbatch:
     def run_here(self) -> None:
         """Runs the step function to its end on the calling thread, for a model that never pauses
         (one that runs whole). The step then keeps the caller's thread: no hand-off to a worker,
-        and no second OpenMP team whose idle threads spin against the caller's on a CPU (a small
-        model's step is slower on a worker thread: docs/benchmarks.md, "host overhead"). Errors
-        propagate as they are."""
+        and no second OpenMP team whose idle threads spin against the caller's on a CPU (which
+        slowed the step: docs/benchmarks.md, "Host overhead"). Errors propagate as they are."""
         if self.done:
             return
         self._started = self._inline = True

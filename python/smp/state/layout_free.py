@@ -171,9 +171,11 @@ def destinations(
             if fg.params:
                 chunk |= values.get(places.names[id(fg.params[0])], {})
             master = chunk.pop(MASTER, None)
-            if master is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if master is not None:
                     fg.master.copy_(master)
+                elif fg.master_is_copy:  # saved without masters (fp32): the weights just loaded
+                    fg.master.copy_(fg.values[fg.lo : fg.lo + fg.chunk])
             if chunk:
                 optimizer.state[fg.master] = {k: _to(v, fg.master.device) for k, v in chunk.items()}
 
