@@ -117,7 +117,7 @@ class Config:
     def num_active_microbatches(self) -> int:
         if self.active_microbatches is not None:
             return self.active_microbatches
-        return min(self.pipeline_parallel_degree + 2, self.microbatches)
+        return schedules.default_active(self.pipeline_parallel_degree, self.microbatches)
 
     def schedule(self) -> schedules.Schedule:
         """The pipeline's schedule under this config (one object per config: every step asks)."""

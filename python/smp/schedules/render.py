@@ -4,7 +4,7 @@ each rank's lowered list."""
 from __future__ import annotations
 
 from smp.schedules.actions import Action
-from smp.schedules.schedule import NAMES, Schedule, rank_stages, stage_ranks, unit_time_slots
+from smp.schedules.schedule import NAMES, Schedule, default_active, rank_stages, stage_ranks, unit_time_slots
 from smp.schedules.transfers import SENDS, Layout, Transfer
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--active", type=int, default=None, help="active_microbatches (default: min(pp + 2, m))")
     p.add_argument("--lowered", choices=("tagged", "ordered"), help="print each rank's lowered list instead")
     args = p.parse_args(argv)
-    active = args.active if args.active is not None else min(args.pp + 2, args.microbatches)
+    active = args.active if args.active is not None else default_active(args.pp, args.microbatches)
     if args.lowered:
         schedule = Schedule(args.schedule, args.pp, args.microbatches, active)
         print(render_lowered(schedule, args.lowered == "ordered"))

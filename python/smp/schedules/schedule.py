@@ -76,6 +76,11 @@ KINDS: dict[str, Kind] = {
 NAMES = tuple(KINDS)
 
 
+def default_active(num_ranks: int, microbatches: int) -> int:
+    """Microbatches in flight when the config leaves active_microbatches unset: pp + 2, at most m."""
+    return min(num_ranks + 2, microbatches)
+
+
 def kind(schedule: str) -> Kind:
     found = KINDS.get(schedule)
     if found is None:
