@@ -21,6 +21,8 @@ LAYERS: dict[str, int] = {
         [
             "config",
             "config_options",
+            "config_rules",
+            "inert",
             "devices",
             "schedules",
             "groups",

@@ -26,7 +26,7 @@ from smp import gradients, hf, params, recompute
 from smp.config import Config
 from smp.data_parallel import replicas
 from smp.data_parallel.grad_sync import GradSync
-from smp.engine import compiled, first_stage, inputs, signatures
+from smp.engine import compiled, first_stage, inputs, precision, signatures
 from smp.engine.accumulation import Accumulation
 from smp.engine.build import debug_report
 from smp.engine.plan import Plan, place_sharded, place_whole, rank_device
@@ -59,14 +59,8 @@ class Engine:
         self.captures = groups.pp_size > 1 or groups.tp_size > 1
         self._device = rank_device()  # where its part runs (smp.init chose the GPU)
         self.schedule = config.schedule()
-        self.dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
-        sharded = config.sharded_data_parallel_degree > 1
-        if self.dtype is not None and not sharded:
-            module.to(self.dtype)  # half-precision parameters and activations; fp32 masters in the optimizer
-        elif self.dtype is not None:  # FSDP2 gathers half copies of fp32 shards, the masters (a
-            _fp32_parameters(module)  # model built in half precision, as SMP's scripts do, too)
-            if self.captures:  # the graphs are captured in half precision
-                _cast_floating_buffers(module, self.dtype)
+        self.dtype = precision.model_dtype(config)
+        precision.cast_model(module, config, self.captures)
         params.refresh(module)
         self._average_microbatches = average_grads_across_microbatches
         self._bucket_cap_mb = bucket_cap_mb
@@ -95,7 +89,7 @@ class Engine:
         checks = (config.check_finite or config.debug) and not config.fp16
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
         self._whole = module  # what a forward calls when the model runs whole
-        if sharded and not self.captures:
+        if config.sharded_data_parallel_degree > 1 and not self.captures:
             options = config.compile  # each layer's forward compiled, FSDP2's hooks outside
             compile_layer = None if options is None else lambda m: compiled.compile_forward(m, options)
             self._install(place_sharded(module, config, groups, compile_layer))
@@ -387,19 +381,6 @@ class Engine:
     def state(self) -> model_state.ModelState:
         """The model's state as the original module's, in the layout of now (state dicts, checkpoints)."""
         return model_state.ModelState(self.module, self.state_keys, self.shard_specs, self.groups)
-
-
-def _fp32_parameters(module: nn.Module) -> None:
-    for p in module.parameters():
-        if p.is_floating_point() and p.dtype != torch.float32:
-            p.data = p.data.float()
-
-
-def _cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:
-    for owner in module.modules():
-        for name, t in owner._buffers.items():
-            if t is not None and t.is_floating_point():
-                owner._buffers[name] = t.to(dtype)
 
 
 def _run_once(hooks: list[Callable], optimizer) -> None:
