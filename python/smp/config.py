@@ -25,6 +25,8 @@ from smp import schedules
 from smp.config_options import (
     TimelineOptions,
     check_compile,
+    check_cuda_graphs,
+    check_expert_parallel,
     check_timeline,
     check_timeout,
     type_error,
@@ -101,6 +103,9 @@ class Config:
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
     sdp_gradient_clipping: float = 1.0
+    # Expert parallelism (SMP v2's key): the data-parallel replicas a mixture of experts' experts
+    # are divided among (smp.expert_parallel); 1: every replica holds every expert.
+    expert_parallel_degree: int = 1
     # smp additions (not in SMP v1):
     # SMP's behaviour: every user of a shared parameter on one stage (else it is replicated).
     colocate_shared_parameters: bool = False
@@ -162,14 +167,17 @@ class Config:
                 f"({pp}) x tensor_parallel_degree ({tp}) = {pp * tp}; launch a multiple of {pp * tp} "
                 "processes or change the degrees"
             )
-        sdp, dp = self.sharded_data_parallel_degree, world_size // (pp * tp)
-        if dp % sdp:
-            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-            raise ValueError(
-                f"smp config: sharded_data_parallel_degree={sdp} does not divide the data-parallel "
-                f"degree {dp} (world size {world_size} / (pipeline_parallel_degree {pp} x "
-                f"tensor_parallel_degree {tp})); set it to one of {divisors}"
-            )
+        dp = world_size // (pp * tp)
+        for key in ("sharded_data_parallel_degree", "expert_parallel_degree"):  # both cut dp
+            degree = getattr(self, key)
+            if dp % degree:
+                divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+                raise ValueError(
+                    f"smp config: {key}={degree} does not divide the data-parallel degree {dp} (world "
+                    f"size {world_size} / (pipeline_parallel_degree {pp} x tensor_parallel_degree "
+                    f"{tp})); set it to one of {divisors}, or launch a multiple of {pp * tp * degree} "
+                    "processes"
+                )
         if local_size is not None and tp > local_size:
             warnings.warn(
                 f"smp config: tensor_parallel_degree={tp} is larger than the {local_size} processes "
@@ -194,6 +202,7 @@ _POSITIVE_INTS = (
     "microbatches",
     "activation_loading_horizon",
     "sharded_data_parallel_degree",
+    "expert_parallel_degree",
     "signature_warn_after",
     "signature_cache_size",
 )
@@ -354,7 +363,8 @@ def _check_combination(config: Config) -> Config:
         )
     if config.sharded_data_parallel_degree != 1:
         _check_sdp(config)
-    _check_cuda_graphs(config)
+    check_cuda_graphs(config)
+    check_expert_parallel(config)
     if tp & (tp - 1):
         warnings.warn(
             f"smp config: tensor_parallel_degree={tp} is not a power of two; SMP recommends 2, 4 or 8 "
@@ -362,32 +372,6 @@ def _check_combination(config: Config) -> Config:
             stacklevel=3,
         )
     return config
-
-
-# torch.compile modes that record CUDA graphs (CUDAGraph trees).
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def _check_cuda_graphs(config: Config) -> None:
-    """CUDA graphs only where they were measured to keep parity: a model that runs whole. A graph
-    overwrites its outputs at the next replay; a pipeline keeps several microbatches' outputs and
-    messages alive at once, and sharded layouts run collectives and FSDP2's hooks between graphs."""
-    mode = (config.compile or {}).get("mode")
-    if mode not in _CUDA_GRAPH_MODES:
-        return
-    layout = {
-        "pipeline_parallel_degree": config.pipeline_parallel_degree,
-        "tensor_parallel_degree": config.tensor_parallel_degree,
-        "sharded_data_parallel_degree": config.sharded_data_parallel_degree,
-    }
-    over = {k: v for k, v in layout.items() if v != 1}
-    if over:
-        listed = ", ".join(f"{k}={v}" for k, v in over.items())
-        raise ValueError(
-            f"smp config: compile mode {mode!r} records CUDA graphs, which smp supports only for a model "
-            f"that runs whole (every degree 1), not with {listed}; use 'compile': true (or mode "
-            "'default' / 'max-autotune-no-cudagraphs') in this layout"
-        )
 
 
 def _check_sdp(config: Config) -> None:

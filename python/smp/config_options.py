@@ -1,6 +1,6 @@
 """The config's structured values: the timeline's options, torch.compile's arguments and group
-timeouts, each checked with an error that names the key, the value and the fix; and the sdp_*
-keys FSDP2 has no counterpart for."""
+timeouts, each checked with an error that names the key, the value and the fix; the sdp_*
+keys FSDP2 has no counterpart for; the layouts CUDA graphs and expert parallelism refuse."""
 
 from __future__ import annotations
 
@@ -118,3 +118,50 @@ def warn_unmapped_sdp_keys(given: Mapping[str, Any], sdp: int) -> None:
     for key, why in SDP_UNMAPPED.items():
         if key in given and not (key == "sdp_hierarchical_allgather" and given[key] is False):
             warnings.warn(f"smp config: '{key}' has no effect: {why}", stacklevel=4)
+
+
+# torch.compile modes that record CUDA graphs (CUDAGraph trees).
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_cuda_graphs(config: Any) -> None:
+    """CUDA graphs only where they were measured to keep parity: a model that runs whole. A graph
+    overwrites its outputs at the next replay; a pipeline keeps several microbatches' outputs and
+    messages alive at once, and sharded layouts run collectives and FSDP2's hooks between graphs."""
+    mode = (config.compile or {}).get("mode")
+    if mode not in _CUDA_GRAPH_MODES:
+        return
+    layout = {
+        "pipeline_parallel_degree": config.pipeline_parallel_degree,
+        "tensor_parallel_degree": config.tensor_parallel_degree,
+        "sharded_data_parallel_degree": config.sharded_data_parallel_degree,
+    }
+    over = {k: v for k, v in layout.items() if v != 1}
+    if over:
+        listed = ", ".join(f"{k}={v}" for k, v in over.items())
+        raise ValueError(
+            f"smp config: compile mode {mode!r} records CUDA graphs, which smp supports only for a model "
+            f"that runs whole (every degree 1), not with {listed}; use 'compile': true (or mode "
+            "'default' / 'max-autotune-no-cudagraphs') in this layout"
+        )
+
+
+def check_expert_parallel(config: Any) -> None:
+    """Expert parallelism with what it does not serve yet: each a clear error naming the fix."""
+    ep = config.expert_parallel_degree
+    if ep == 1:
+        return
+    others = {
+        "pipeline_parallel_degree": config.pipeline_parallel_degree,
+        "tensor_parallel_degree": config.tensor_parallel_degree,
+        "sharded_data_parallel_degree": config.sharded_data_parallel_degree,
+    }
+    over = [f"{k}={v}" for k, v in others.items() if v != 1]
+    if config.shard_optimizer_state:
+        over.append("shard_optimizer_state=true")
+    if over:
+        raise ValueError(
+            f"smp config: expert_parallel_degree={ep} runs with data parallelism only so far, not with "
+            f"{', '.join(over)}; set expert_parallel_degree to 1 for this layout, or drop the others "
+            "(docs/expert_parallel.md says what composes)"
+        )
