@@ -1,0 +1,243 @@
+"""Expert parallelism on unmodified Hugging Face MoE models (transformers 5's 3-D expert banks:
+Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE): each ep rank keeps whole experts,
+tokens travel to them through smp::moe_dispatch / moe_combine, expert gradients are combined over
+the replicas holding the same experts, and the router's auxiliary loss covers the global batch.
+Parity with one process training the whole model on the global batch: losses, the auxiliary loss,
+first-step gradients (each rank's experts against the reference's same experts) and parameters
+after a few Adam steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from harness import run_ranks
+
+VOCAB, SEQ, EXPERTS = 96, 16, 4
+STEPS, GLOBAL_BATCH = 3, 8
+TOL = 1e-4
+LR = 1e-2
+
+
+_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    num_experts_per_tok=2,
+    output_router_logits=True,  # the auxiliary load-balancing loss is part of the loss
+    router_aux_loss_coef=0.1,
+)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=EXPERTS, **_SHAPE))
+
+
+def _qwen2_moe():
+    """Qwen2-MoE: a gated shared expert beside the routed ones (replicated, not an expert bank)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=EXPERTS,
+        norm_topk_prob=False,
+        **_SHAPE,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(
+        OlmoeConfig(intermediate_size=16, num_experts=EXPERTS, pad_token_id=0, eos_token_id=None, **_SHAPE)
+    )
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=EXPERTS,
+        norm_topk_prob=True,
+        head_dim=8,
+        **_SHAPE,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def _mixtral_skewed():
+    """Routers that start equal for every expert: every token picks the same two experts (topk's
+    ties), so at ep=2 one rank receives every token and the other none, until training spreads
+    them."""
+    model = _mixtral()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    return model
+
+
+MODELS = {
+    "mixtral_skewed": _mixtral_skewed,
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+}
+
+
+def _batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5000 + step)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+def _reference(build, clip):
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, grads = [], None
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for s in range(STEPS):
+        ids = _batch(s)
+        opt.zero_grad()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if s == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            aux = out.aux_loss.item()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")).item()
+        elif clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(out.loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = max((params[n] - p).abs().max().item() for n, p in start.items())
+    return losses, grads, params, moved, aux, norm
+
+
+def _train(rank, world, case, ep, clip):
+    import smp
+    import torch.distributed as dist
+    from smp.expert_parallel import expert_slice
+
+    ref_losses, ref_grads, ref_params, moved, ref_aux, ref_norm = _reference(MODELS[case], clip)
+    smp.init({"expert_parallel_degree": ep})
+    torch.manual_seed(0)
+    model = copy.deepcopy(MODELS[case]())
+    dmodel = smp.DistributedModel(model)
+    module = dmodel.get_module()
+    opt = smp.DistributedOptimizer(torch.optim.Adam(module.parameters(), lr=LR))
+
+    # name -> the rows of the reference's parameter this rank holds (experts: its block).
+    rows = {}
+    for path, sub in module.named_modules():
+        piece = expert_slice(sub)
+        if piece is not None:
+            for name, _ in sub.named_parameters(recurse=False):
+                rows[f"{path}.{name}"] = slice(piece.start, piece.start + piece.local)
+
+    # The first MoE layer's first routing: pairs this rank sends to each expert.
+    routed = []
+    first = next(sub for sub in module.modules() if expert_slice(sub) is not None)
+    first.register_forward_pre_hook(
+        lambda m, args: (
+            routed.append(torch.bincount(args[1].flatten(), minlength=EXPERTS).tolist())
+            if not routed
+            else None
+        )
+    )
+
+    def ref_part(name, t):
+        return t[rows[name]] if name in rows else t
+
+    @smp.step
+    def train_step(ids):
+        out = dmodel(input_ids=ids, labels=ids)
+        dmodel.backward(out.loss)
+        return out.loss, out.aux_loss
+
+    per = GLOBAL_BATCH // smp.dp_size()
+    losses, grad_err, aux_err = [], None, None
+    for s in range(STEPS):
+        ids = _batch(s)[smp.dp_rank() * per : (smp.dp_rank() + 1) * per]
+        opt.zero_grad()
+        loss, aux = train_step(ids)
+        loss = loss.reduce_mean()
+        if s == 0:
+            scale = max(g.abs().max().item() for g in ref_grads.values())
+            grad_err = max(
+                (p.grad - ref_part(n, ref_grads[n])).abs().max().item() / scale
+                for n, p in module.named_parameters()
+            )
+            aux_err = abs(aux.reduce_mean().item() - ref_aux)
+        # The global norm counts each rank's experts once (every ep rank holds different ones).
+        norm = opt.clip_master_grads(clip or float("inf")).item()
+        if s == 0:
+            norm_err = abs(norm - ref_norm) / ref_norm
+        opt.step()
+        dist.all_reduce(loss, group=smp.get_dp_process_group())
+        losses.append(loss.item() / smp.dp_size())
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    param_err = max(
+        (p.detach() - ref_part(n, ref_params[n])).abs().max().item() for n, p in module.named_parameters()
+    )
+    expert_numel = sum(p.numel() for n, p in module.named_parameters() if n in rows)
+    ref_expert_numel = sum(ref_params[n].numel() for n in rows)
+    return {
+        "loss_err": loss_err,
+        "grad_err": grad_err,
+        "aux_err": aux_err,
+        "norm_err": norm_err,
+        "param_err": param_err,
+        "moved": moved,
+        "expert_banks": len(rows),
+        "expert_share": expert_numel / ref_expert_numel,
+        "ep_rank": smp.ep_rank(),
+        "routed": routed[0],
+    }
+
+
+@pytest.mark.parametrize(
+    "case, world, ep, clip",
+    [
+        ("mixtral", 2, 2, None),
+        ("mixtral", 4, 2, 0.5),  # clipped by the global norm at every step
+        ("mixtral", 4, 4, None),
+        ("mixtral_skewed", 2, 2, None),
+        ("qwen2_moe", 2, 2, None),
+        ("qwen3_moe", 2, 2, None),
+        ("olmoe", 2, 2, None),
+    ],
+)
+def test_parity_with_one_process(case, world, ep, clip):
+    results = run_ranks(_train, world, case, ep, clip, timeout=600)
+    print(
+        {
+            k: max(r[k] for r in results)
+            for k in ("loss_err", "grad_err", "aux_err", "norm_err", "param_err", "moved")
+        }
+    )
+    for r in results:
+        assert r["expert_banks"] == 4  # gate_up_proj and down_proj of both layers
+        assert r["expert_share"] == pytest.approx(1 / ep)
+        assert r["loss_err"] < TOL, r
+        assert r["grad_err"] < TOL, r
+        assert r["aux_err"] < TOL, r
+        assert r["norm_err"] < TOL, r
+        assert r["param_err"] < TOL, r
+        assert r["moved"] > 100 * TOL  # training moved the model far more than the tolerance
+    assert sorted(r["ep_rank"] for r in results) == sorted(list(range(ep)) * (world // ep))
+    per_expert = [sum(r["routed"][e] for r in results) for e in range(EXPERTS)]
+    if case == "mixtral_skewed":  # two experts of one ep rank receive every pair, the other rank none
+        hit = [e for e in range(EXPERTS) if per_expert[e]]
+        assert len(hit) == 2 and hit[0] // (EXPERTS // ep) == hit[1] // (EXPERTS // ep), per_expert
