@@ -191,12 +191,30 @@ def _train(rank, world, case, ep, clip):
     param_err = max(
         (p.detach() - ref_part(n, ref_params[n])).abs().max().item() for n, p in module.named_parameters()
     )
+    # The full state_dict gathers the experts (one process's model: save_pretrained writes it) ...
+    full = dmodel.state_dict()
+    state_err = max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    # ... and loading a full one gives each rank its block (the model as built, here).
+    torch.manual_seed(0)
+    start = MODELS[case]().state_dict()
+    dmodel.load_state_dict(start)
+    load_err = max(
+        (p.detach() - ref_part(n, start[n])).abs().max().item() for n, p in module.named_parameters()
+    )
+    try:  # checkpoints do not know the experts' blocks yet
+        smp.save_checkpoint("/nonexistent", "t")
+        refused = None
+    except NotImplementedError as e:
+        refused = str(e)
     expert_numel = sum(p.numel() for n, p in module.named_parameters() if n in rows)
     ref_expert_numel = sum(ref_params[n].numel() for n in rows)
     return {
         "loss_err": loss_err,
         "grad_err": grad_err,
         "aux_err": aux_err,
+        "state_err": state_err,
+        "load_err": load_err,
+        "refused": refused,
         "norm_err": norm_err,
         "param_err": param_err,
         "moved": moved,
@@ -224,7 +242,7 @@ def test_parity_with_one_process(case, world, ep, clip):
     print(
         {
             k: max(r[k] for r in results)
-            for k in ("loss_err", "grad_err", "aux_err", "norm_err", "param_err", "moved")
+            for k in ("loss_err", "grad_err", "aux_err", "norm_err", "param_err", "state_err", "moved")
         }
     )
     for r in results:
@@ -234,6 +252,8 @@ def test_parity_with_one_process(case, world, ep, clip):
         assert r["grad_err"] < TOL, r
         assert r["aux_err"] < TOL, r
         assert r["norm_err"] < TOL, r
+        assert r["state_err"] < TOL and r["load_err"] == 0.0, r
+        assert "save_checkpoint with expert_parallel_degree" in r["refused"], r
         assert r["param_err"] < TOL, r
         assert r["moved"] > 100 * TOL  # training moved the model far more than the tolerance
     assert sorted(r["ep_rank"] for r in results) == sorted(list(range(ep)) * (world // ep))

@@ -43,9 +43,35 @@ class ExpertPlacement:
     # Expert gradients are summed over the replicas holding the same experts, then divided by the
     # whole data-parallel degree: one process's gradient on the global batch.
     replica_group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | None = None  # the ep group (its ranks hold the other blocks)
+    rank: int = 0  # this rank's place in it: its block of every bank
 
     def holds(self, param: torch.Tensor) -> bool:
         return any(param is p for p in self.params)
+
+    def _keys(self, prefix: str = "") -> list[str]:
+        return [f"{prefix}{b.path}.{name}" for b in self.banks for name in b.banks]
+
+    def gather_full(self, state: dict) -> dict:
+        """A state_dict of the module with every expert bank whole (its blocks gathered over the ep
+        group, in rank order): what one process's model holds. A collective over the ep group."""
+        out = dict(state)
+        for key in self._keys():
+            if key in out:
+                block = out[key].detach().contiguous()
+                blocks = [torch.empty_like(block) for _ in range(self.degree)]
+                dist.all_gather(blocks, block, group=self.group)
+                out[key] = torch.cat(blocks)
+        return out
+
+    def cut_full(self, state: dict) -> dict:
+        """A full state_dict (one process's model) with each expert bank cut to this rank's block."""
+        out = dict(state)
+        for key in self._keys():
+            if key in out:
+                local = out[key].shape[0] // self.degree
+                out[key] = out[key][self.rank * local : (self.rank + 1) * local]
+        return out
 
 
 def distribute(module: nn.Module, groups: ParallelGroups) -> ExpertPlacement:
@@ -65,4 +91,4 @@ def distribute(module: nn.Module, groups: ParallelGroups) -> ExpertPlacement:
             kept.append(mine)
     global_router_losses(module, groups.dp)
     replicas = groups.ep_replica if len(groups.ep_replica_ranks) > 1 else None
-    return ExpertPlacement(degree, tuple(banks), tuple(kept), replicas)
+    return ExpertPlacement(degree, tuple(banks), tuple(kept), replicas, groups.ep, rank)
