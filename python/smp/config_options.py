@@ -159,6 +159,8 @@ def check_expert_parallel(config: Any) -> None:
     over = [f"{k}={v}" for k, v in others.items() if v != 1]
     if config.shard_optimizer_state:
         over.append("shard_optimizer_state=true")
+    if config.compile is not None:  # the exchange's splits are read on the host, data dependent
+        over.append("compile")
     if over:
         raise ValueError(
             f"smp config: expert_parallel_degree={ep} runs with data parallelism only so far, not with "

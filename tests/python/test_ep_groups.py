@@ -60,6 +60,7 @@ def test_ep_degree_must_divide_the_data_parallel_degree():
         ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2"),
         ({"sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
         ({"shard_optimizer_state": True}, "shard_optimizer_state=true"),
+        ({"compile": True}, "compile"),
     ],
 )
 def test_layouts_ep_does_not_serve_yet_are_refused(extra, named):
