@@ -77,6 +77,15 @@ def _qwen3_moe():
     return Qwen3MoeForCausalLM(config)
 
 
+def _mixtral_noaux():
+    """Without the auxiliary loss, which is not linear in the batch: microbatches (gradient
+    accumulation) change it, as in one process."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    shape = _SHAPE | {"output_router_logits": False}
+    return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=EXPERTS, **shape))
+
+
 def _mixtral_skewed():
     """Routers that start equal for every expert: every token picks the same two experts (topk's
     ties), so at ep=2 one rank receives every token and the other none, until training spreads
@@ -89,6 +98,7 @@ def _mixtral_skewed():
 
 
 MODELS = {
+    "mixtral_noaux": _mixtral_noaux,
     "mixtral_skewed": _mixtral_skewed,
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
@@ -115,7 +125,7 @@ def _reference(build, clip):
         out.loss.backward()
         if s == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            aux = out.aux_loss.item()
+            aux = out.aux_loss.item() if out.aux_loss is not None else 0.0
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")).item()
         elif clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -126,17 +136,20 @@ def _reference(build, clip):
     return losses, grads, params, moved, aux, norm
 
 
-def _train(rank, world, case, ep, clip):
+def _train(rank, world, case, ep, clip, extra=None):
     import smp
     import torch.distributed as dist
     from smp.expert_parallel import expert_slice
 
     ref_losses, ref_grads, ref_params, moved, ref_aux, ref_norm = _reference(MODELS[case], clip)
-    smp.init({"expert_parallel_degree": ep})
+    extra = extra or {}
+    smp.init({"expert_parallel_degree": ep, **extra.get("config", {})})
     torch.manual_seed(0)
     model = copy.deepcopy(MODELS[case]())
     dmodel = smp.DistributedModel(model)
     module = dmodel.get_module()
+    if extra.get("checkpoint"):  # every decoder layer recomputed in backward: the exchange runs again
+        smp.set_activation_checkpointing(module.model.layers)
     opt = smp.DistributedOptimizer(torch.optim.Adam(module.parameters(), lr=LR))
 
     # name -> the rows of the reference's parameter this rank holds (experts: its block).
@@ -148,8 +161,9 @@ def _train(rank, world, case, ep, clip):
                 rows[f"{path}.{name}"] = slice(piece.start, piece.start + piece.local)
 
     # The first MoE layer's first routing: pairs this rank sends to each expert.
-    routed = []
+    routed, calls = [], []
     first = next(sub for sub in module.modules() if expert_slice(sub) is not None)
+    first.register_forward_pre_hook(lambda m, args: calls.append(1))  # forwards, recomputed ones too
     first.register_forward_pre_hook(
         lambda m, args: (
             routed.append(torch.bincount(args[1].flatten(), minlength=EXPERTS).tolist())
@@ -165,7 +179,7 @@ def _train(rank, world, case, ep, clip):
     def train_step(ids):
         out = dmodel(input_ids=ids, labels=ids)
         dmodel.backward(out.loss)
-        return out.loss, out.aux_loss
+        return out.loss, out.aux_loss if out.aux_loss is not None else out.loss.new_zeros(())
 
     per = GLOBAL_BATCH // smp.dp_size()
     losses, grad_err, aux_err = [], None, None
@@ -173,6 +187,7 @@ def _train(rank, world, case, ep, clip):
         ids = _batch(s)[smp.dp_rank() * per : (smp.dp_rank() + 1) * per]
         opt.zero_grad()
         loss, aux = train_step(ids)
+        microbatches = len(loss)
         loss = loss.reduce_mean()
         if s == 0:
             scale = max(g.abs().max().item() for g in ref_grads.values())
@@ -222,6 +237,8 @@ def _train(rank, world, case, ep, clip):
         "expert_banks": len(rows),
         "expert_share": expert_numel / ref_expert_numel,
         "ep_rank": smp.ep_rank(),
+        "microbatches": microbatches,
+        "expert_calls": len(calls),
         "routed": routed[0],
     }
 
@@ -262,6 +279,25 @@ def test_parity_with_one_process(case, world, ep, clip):
     if case == "mixtral_skewed":  # two experts of one ep rank receive every pair, the other rank none
         hit = [e for e in range(EXPERTS) if per_expert[e]]
         assert len(hit) == 2 and hit[0] // (EXPERTS // ep) == hit[1] // (EXPERTS // ep), per_expert
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"config": {"microbatches": 2}}, {"checkpoint": True}],
+    ids=["microbatches2", "activation_checkpointing"],
+)
+def test_parity_composed(extra):
+    """ep=2 with microbatches (the exchange per microbatch, gradients accumulated) and with every
+    decoder layer recomputed in backward (the exchange runs again), against one process."""
+    case = "mixtral_noaux" if "config" in extra else "mixtral"
+    results = run_ranks(_train, 2, case, 2, None, extra, timeout=600)
+    print({k: max(r[k] for r in results) for k in ("loss_err", "grad_err", "param_err")})
+    for r in results:
+        assert r["microbatches"] == extra.get("config", {}).get("microbatches", 1)
+        # Per step: once per microbatch, and once more in backward where the layer is recomputed.
+        assert r["expert_calls"] == STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
+        for key in ("loss_err", "grad_err", "norm_err", "param_err", "state_err"):
+            assert r[key] < TOL, (key, r)
 
 
 def _train_bf16(rank, world, ep):
