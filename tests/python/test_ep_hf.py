@@ -251,8 +251,10 @@ def _train(rank, world, case, ep, clip, extra=None):
         ("mixtral", 4, 4, None),
         ("mixtral_skewed", 2, 2, None),
         ("qwen2_moe", 2, 2, None),
+        ("qwen2_moe", 4, 4, None),
         ("qwen3_moe", 2, 2, None),
         ("olmoe", 2, 2, None),
+        ("olmoe", 4, 4, None),
     ],
 )
 def test_parity_with_one_process(case, world, ep, clip):
