@@ -77,6 +77,31 @@ def _qwen3_moe():
     return Qwen3MoeForCausalLM(config)
 
 
+def _deepseek_v3():
+    """DeepSeek-V3: grouped top-k routing with a score-correction bias, a shared expert, a dense first
+    layer, multi-head latent attention; no auxiliary loss in its modeling code."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    shape = {k: v for k, v in _SHAPE.items() if k not in ("output_router_logits", "router_aux_loss_coef")}
+    config = DeepseekV3Config(
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=EXPERTS,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_hidden_layers=3,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        **{k: v for k, v in shape.items() if k != "num_hidden_layers"},
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
 def _mixtral_noaux():
     """Without the auxiliary loss, which is not linear in the batch: microbatches (gradient
     accumulation) change it, as in one process."""
@@ -98,6 +123,7 @@ def _mixtral_skewed():
 
 
 MODELS = {
+    "deepseek_v3": _deepseek_v3,
     "mixtral_noaux": _mixtral_noaux,
     "mixtral_skewed": _mixtral_skewed,
     "mixtral": _mixtral,
@@ -255,6 +281,7 @@ def _train(rank, world, case, ep, clip, extra=None):
         ("qwen3_moe", 2, 2, None),
         ("olmoe", 2, 2, None),
         ("olmoe", 4, 4, None),
+        ("deepseek_v3", 2, 2, None),
     ],
 )
 def test_parity_with_one_process(case, world, ep, clip):
