@@ -1,9 +1,12 @@
 """Host overhead at pp = tp = 1: smp against plain PyTorch on one process, paired rounds.
 
-    python benchmarks/host_overhead.py [--shape 5ms|small|12ms|medium] [--compile] [--profile]
+    python benchmarks/host_overhead.py [--model gpt2|llama] [--shape 5ms|small|12ms|medium]
+                                       [--compile] [--profile]
 
-Hugging Face GPT-2 (random weights, built from a GPT2Config), the same initial weights and the
-same batches for both. A step is zero_grad + forward + backward + AdamW step: plain PyTorch calls
+Hugging Face GPT-2 (random weights, built from a GPT2Config; --model llama: a Llama of the same
+layers, width and heads, grouped-query attention with half the heads for keys and values, rotary
+positions, SwiGLU of twice the width), the same initial weights and the same batches for both.
+A step is zero_grad + forward + backward + AdamW step: plain PyTorch calls
 them directly; smp runs `@smp.step` over a DistributedModel and a DistributedOptimizer at
 pipeline_parallel_degree = tensor_parallel_degree = 1 with 1 microbatch, where it adds nothing
 but host work. Each round times one step of each, in alternating order; the figure is the median
@@ -36,9 +39,26 @@ SHAPES = {  # layers, dim, heads, seq, batch; step times of plain PyTorch on the
 }
 
 
-def make_model(shape: str):
+def make_model(shape: str, family: str = "gpt2"):
     layers, dim, heads, seq, _ = SHAPES[shape]
-    return build(layers, dim, heads, seq, vocab=256)  # the sdp benchmark's GPT-2 (eager attention)
+    if family == "gpt2":
+        return build(layers, dim, heads, seq, vocab=256)  # the sdp benchmark's GPT-2 (eager attention)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=dim,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        intermediate_size=2 * dim,
+        max_position_embeddings=seq,
+        vocab_size=256,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def plain_step(model, compile_: bool):
@@ -57,6 +77,7 @@ def timed(step, ids) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--shape", choices=tuple(SHAPES), default="small")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
@@ -65,7 +86,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    reference = make_model(args.shape)
+    reference = make_model(args.shape, args.model)
     _, _, _, seq, batch = SHAPES[args.shape]
     plain = plain_step(copy.deepcopy(reference), args.compile)
     ours = smp_step(copy.deepcopy(reference), args.compile)
@@ -85,6 +106,7 @@ def main() -> None:
         ratios.append(got["smp"][0] / got["plain"][0])
         gaps.append(abs(got["smp"][1] - got["plain"][1]) / abs(got["plain"][1]))
     result = {
+        "model": args.model,
         "shape": args.shape,
         "compile": args.compile,
         "plain_ms": 1e3 * statistics.median(times["plain"]),
@@ -94,7 +116,7 @@ def main() -> None:
         "compiled_stage_graphs": smp.engine.compiled.compiles(),
     }
     print(
-        f"{args.shape}{' compiled' if args.compile else ''}: plain {result['plain_ms']:.2f} ms, "
+        f"{args.model} {args.shape}{' compiled' if args.compile else ''}: plain {result['plain_ms']:.2f} ms, "
         f"smp {result['smp_ms']:.2f} ms, smp/plain paired {result['paired_smp_over_plain']:.3f}; "
         f"loss gap {result['max_relative_loss_gap']:.1e}; "
         f"smp graphs compiled: {result['compiled_stage_graphs']}"

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 examples/train_gpt2.py            # pp=2 x tp=2 on CPU
     torchrun --standalone --nproc_per_node=8 examples/train_gpt2.py --pp 2 --tp 2   # + rdp=2
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py --model mixtral --pp 1 --tp 1 --ep 2
 
 The model is transformers' GPT2LMHeadModel, unmodified, built from a small config (no
 download). smp captures it, splits it into pipeline stages, shards its Conv1D layers and its
@@ -55,6 +56,13 @@ def parse_args() -> argparse.Namespace:
         help="sharded data parallel degree: parameters, gradients and optimizer state sharded over this "
         "many replicas (FSDP2; divides rdp; --clip is then sdp_gradient_clipping)",
     )
+    layout.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert parallel degree (with --model mixtral): each layer's experts divided among this many "
+        "replicas, tokens exchanged to them (divides rdp and --experts)",
+    )
     layout.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master weights")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=300)
@@ -83,6 +91,13 @@ def parse_args() -> argparse.Namespace:
     )
     train.add_argument("--compile", action="store_true", help="torch.compile each stage (inductor)")
     model = p.add_argument_group("model (GPT-2 shape)")
+    model.add_argument(
+        "--model",
+        choices=["gpt2", "mixtral"],
+        default="gpt2",
+        help="gpt2, or transformers' Mixtral (mixture of experts, top-2, its load-balancing loss on)",
+    )
+    model.add_argument("--experts", type=int, default=4, help="experts per layer (--model mixtral)")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--dim", type=int, default=128)
     model.add_argument("--heads", type=int, default=4)
@@ -100,6 +115,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_model(args):
+    if args.model == "mixtral":
+        return build_mixtral(args)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -116,6 +133,28 @@ def build_model(args):
     )
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # what transformers falls back to anyway, without its warning
+    return model
+
+
+def build_mixtral(args):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=256,
+        hidden_size=args.dim,
+        intermediate_size=2 * args.dim,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+        num_local_experts=args.experts,
+        num_experts_per_tok=2,
+        output_router_logits=True,  # the load-balancing loss, over the global batch under ep
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = MixtralForCausalLM(config)
+    model.loss_type = "ForCausalLM"
     return model
 
 
@@ -190,6 +229,11 @@ def main() -> None:
             f"{world}; set --nproc_per_node={need} or change the degrees (for {world}: {layouts_for(world)})"
         )
     global_batch, batch_size, microbatches = sizes(args, world)
+    if args.ep > 1 and args.checkpoint_dir:
+        raise SystemExit(
+            "--checkpoint-dir with --ep: smp's checkpoints do not hold expert-parallel models yet; "
+            "drop --checkpoint-dir (or --ep)"
+        )
     smp.init(
         {
             "pipeline_parallel_degree": args.pp,
@@ -199,6 +243,7 @@ def main() -> None:
             "ddp": True,
             "shard_optimizer_state": args.shard_optimizer_state,
             "sharded_data_parallel_degree": args.sdp,
+            "expert_parallel_degree": args.ep,
             "sdp_gradient_clipping": args.clip,  # (used only under sdp, before each optimizer step)
             "bf16": args.bf16,
             "timeline": _timeline(args),
@@ -337,7 +382,8 @@ def _open_log(args, start: int, n_params: int, rdp: int):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"GPT-2 {n_params / 1e6:.2f}M parameters, pp={args.pp} tp={args.tp} rdp={rdp} sdp={args.sdp}, "
+        f"{'Mixtral' if args.model == 'mixtral' else 'GPT-2'} {n_params / 1e6:.2f}M parameters, "
+        f"pp={args.pp} tp={args.tp} rdp={rdp} sdp={args.sdp}{f' ep={args.ep}' if args.ep > 1 else ''}, "
         f"{smp.num_microbatches()} microbatches ({args.schedule}), on {device_name()}",
         flush=True,
     )

@@ -68,4 +68,14 @@ at::Tensor allGather(const at::Tensor& input, int64_t dim,
              : back.contiguous();
 }
 
+at::Tensor allToAll(const at::Tensor& input,
+                    const std::vector<int64_t>& output_splits,
+                    const std::vector<int64_t>& input_splits,
+                    const std::string& group_name) {
+  static const c10::OperatorHandle op =
+      functionalOp("_c10d_functional::all_to_all_single");
+  return waitTensor(callBoxed(
+      op, {input.contiguous(), output_splits, input_splits, group_name}));
+}
+
 }  // namespace smp::ops

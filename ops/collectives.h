@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace smp::ops {
 
@@ -28,5 +29,12 @@ at::Tensor allReduce(const at::Tensor& input, const std::string& reduce_op,
 // the group's tensors concatenated along dim in group-rank order.
 at::Tensor allGather(const at::Tensor& input, int64_t dim,
                      const std::string& group_name);
+
+// all_to_all_single with uneven splits (rows of dim 0): input_splits[r]
+// rows go to rank r, output_splits[r] rows come from it, in group-rank order.
+at::Tensor allToAll(const at::Tensor& input,
+                    const std::vector<int64_t>& output_splits,
+                    const std::vector<int64_t>& input_splits,
+                    const std::string& group_name);
 
 }  // namespace smp::ops

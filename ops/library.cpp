@@ -34,4 +34,12 @@ TORCH_LIBRARY(smp, m) {
       tags);
   m.def("tp_reduce(Tensor input, str group_name) -> Tensor", tags);
   m.def("tp_copy(Tensor input, str group_name) -> Tensor", tags);
+  m.def(
+      "moe_dispatch(Tensor hidden, Tensor top_k_index, int num_experts, "
+      "str group_name) -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def(
+      "moe_combine(Tensor expert_out, Tensor top_k_weights, Tensor route, "
+      "str group_name) -> (Tensor, Tensor)",
+      tags);
 }

@@ -1,4 +1,4 @@
-// smp's tensor-parallel custom ops (TORCH_LIBRARY namespace "smp"): the plain
+// smp's custom ops (TORCH_LIBRARY namespace "smp"): the plain
 // forward kernels, registered for CPU and CUDA and called by the autograd
 // kernels' forwards. See ops/README.md for the schemas and the math.
 
@@ -57,5 +57,20 @@ at::Tensor tpSplit(const at::Tensor& input, int64_t dim, double grad_scale,
 // all_reduce sum.
 at::Tensor tpReduce(const at::Tensor& input, const std::string& group_name);
 at::Tensor tpCopy(const at::Tensor& input, const std::string& group_name);
+
+// Expert parallelism (moe.cpp): hidden [N, H], top_k_index [N, k] ->
+// (the pairs routed to this rank's experts [M, H], expert-major; their count
+// per local expert [E / ranks]; the route moe_combine takes).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moeDispatch(
+    const at::Tensor& hidden, const at::Tensor& top_k_index,
+    int64_t num_experts, const std::string& group_name);
+
+// expert_out [M, H] (moe_dispatch's rows), weights [N, k], route ->
+// ([N, H]: each token's k expert outputs back home, weighted and summed;
+// those outputs [N * k, H], token-major, which the weights' gradient reads).
+std::tuple<at::Tensor, at::Tensor> moeCombine(const at::Tensor& expert_out,
+                                              const at::Tensor& weights,
+                                              const at::Tensor& route,
+                                              const std::string& group_name);
 
 }  // namespace smp::ops

@@ -32,8 +32,12 @@ from smp.optimizer import DistributedOptimizer
 from smp.parallel_state import (
     dp_rank,
     dp_size,
+    ep_rank,
+    ep_size,
     get_dp_group,
     get_dp_process_group,
+    get_ep_group,
+    get_ep_process_group,
     get_mp_group,
     get_mp_process_group,
     get_pp_group,
@@ -83,6 +87,7 @@ DP_GROUP = CommGroup.DP_GROUP
 RDP_GROUP = CommGroup.RDP_GROUP
 MP_GROUP = CommGroup.MP_GROUP
 SDP_GROUP = CommGroup.SDP_GROUP
+EP_GROUP = CommGroup.EP_GROUP
 WORLD_RANK = RankType.WORLD_RANK
 MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
@@ -107,6 +112,7 @@ __all__ = [
     "RDP_GROUP",
     "SDP_GROUP",
     "SDP_RANK",
+    "EP_GROUP",
     "TP_GROUP",
     "WORLD",
     "WORLD_RANK",
@@ -167,6 +173,10 @@ __all__ = [
     "sdp_size",
     "get_sdp_group",
     "get_sdp_process_group",
+    "ep_rank",
+    "ep_size",
+    "get_ep_group",
+    "get_ep_process_group",
     "recv_from",
     "sampler",
     "send",

@@ -73,6 +73,9 @@ class Config:
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
     sdp_gradient_clipping: float = 1.0
+    # Expert parallelism (SMP v2's key): the data-parallel replicas a mixture of experts' experts
+    # are divided among (smp.expert_parallel); 1: every replica holds every expert.
+    expert_parallel_degree: int = 1
     # smp additions (not in SMP v1):
     # SMP's behaviour: every user of a shared parameter on one stage (else it is replicated).
     colocate_shared_parameters: bool = False
@@ -134,14 +137,17 @@ class Config:
                 f"({pp}) x tensor_parallel_degree ({tp}) = {pp * tp}; launch a multiple of {pp * tp} "
                 "processes or change the degrees"
             )
-        sdp, dp = self.sharded_data_parallel_degree, world_size // (pp * tp)
-        if dp % sdp:
-            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-            raise ValueError(
-                f"smp config: sharded_data_parallel_degree={sdp} does not divide the data-parallel "
-                f"degree {dp} (world size {world_size} / (pipeline_parallel_degree {pp} x "
-                f"tensor_parallel_degree {tp})); set it to one of {divisors}"
-            )
+        dp = world_size // (pp * tp)
+        for key in ("sharded_data_parallel_degree", "expert_parallel_degree"):  # both cut dp
+            degree = getattr(self, key)
+            if dp % degree:
+                divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+                raise ValueError(
+                    f"smp config: {key}={degree} does not divide the data-parallel degree {dp} (world "
+                    f"size {world_size} / (pipeline_parallel_degree {pp} x tensor_parallel_degree "
+                    f"{tp})); set it to one of {divisors}, or launch a multiple of {pp * tp * degree} "
+                    "processes"
+                )
         if local_size is not None and tp > local_size:
             warnings.warn(
                 f"smp config: tensor_parallel_degree={tp} is larger than the {local_size} processes "

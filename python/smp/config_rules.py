@@ -128,6 +128,7 @@ VALUES: dict[str, Check] = {
     "tensor_parallel_seed": _integer,
     "skip_tracing": _flag,
     "sharded_data_parallel_degree": _positive,
+    "expert_parallel_degree": _positive,
     "sdp_reduce_bucket_size": _element_count,
     "sdp_param_persistence_threshold": _element_count,
     "sdp_max_live_parameters": _element_count,
@@ -192,6 +193,16 @@ def _cuda_graph_message(c) -> str:
     )
 
 
+def _ep_refused(c) -> list[str]:
+    """What expert parallelism does not serve yet, of what the config sets."""
+    refused = [f"{k}={getattr(c, k)}" for k in _DEGREES if getattr(c, k) != 1]
+    if c.shard_optimizer_state:
+        refused.append("shard_optimizer_state=true")
+    if c.compile is not None:
+        refused.append("compile")
+    return refused
+
+
 def _sdp(c) -> str:
     return f"smp config: sharded_data_parallel_degree={c.sharded_data_parallel_degree}"
 
@@ -237,6 +248,17 @@ AGREEMENT = (
         ("compile", *_DEGREES),
         lambda c: (c.compile or {}).get("mode") in _CUDA_GRAPH_MODES and bool(_split_degrees(c)),
         _cuda_graph_message,
+    ),
+    # Expert parallelism (smp.expert_parallel) composes with data parallelism only so far; compile
+    # is refused since the exchange's splits are read on the host (data dependent).
+    Rule(
+        ("expert_parallel_degree", *_DEGREES, "shard_optimizer_state", "compile"),
+        lambda c: c.expert_parallel_degree != 1 and bool(_ep_refused(c)),
+        lambda c: (
+            f"smp config: expert_parallel_degree={c.expert_parallel_degree} runs with data parallelism "
+            f"only so far, not with {', '.join(_ep_refused(c))}; set expert_parallel_degree to 1 for "
+            "this layout, or drop the others (docs/expert_parallel.md says what composes)"
+        ),
     ),
     Rule(
         ("tensor_parallel_degree",),

@@ -36,6 +36,12 @@ class ParallelGroups:
     sdp_replica: dist.ProcessGroup | None = None
     sdp_ranks: tuple[int, ...] = ()
     sdp_replica_ranks: tuple[int, ...] = ()
+    # Expert parallelism: the ranks holding disjoint sets of experts (tokens travel between them),
+    # and the ranks holding the same experts (their gradients are combined there).
+    ep: dist.ProcessGroup | None = None
+    ep_replica: dist.ProcessGroup | None = None
+    ep_ranks: tuple[int, ...] = ()
+    ep_replica_ranks: tuple[int, ...] = ()
 
     @property
     def pp_size(self) -> int:
@@ -52,3 +58,7 @@ class ParallelGroups:
     @property
     def sdp_size(self) -> int:
         return len(self.sdp_ranks) or 1
+
+    @property
+    def ep_size(self) -> int:
+        return len(self.ep_ranks) or 1

@@ -44,6 +44,8 @@ import smp._C  # noqa: F401  (loads the library that defines torch.ops.smp)
 
 __all__ = [
     "column_parallel_linear",
+    "moe_combine",
+    "moe_dispatch",
     "row_parallel_linear",
     "tp_gather",
     "tp_reduce",
@@ -157,6 +159,29 @@ def tp_copy(input: Tensor, group: Group = None) -> Tensor:
     return torch.ops.smp.tp_copy(input, _group_name(group))
 
 
+def moe_dispatch(
+    hidden: Tensor, top_k_index: Tensor, num_experts: int, group: Group = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert parallelism's dispatch: each (token, chosen expert) pair to the rank holding the expert.
+
+    hidden: ``[N, H]``; top_k_index: ``[N, k]`` integer expert ids in ``[0, num_experts)``. The group's
+    ranks hold consecutive blocks of ``num_experts / size`` experts. Counts the pairs per expert,
+    exchanges the counts, and all-to-alls the tokens with those uneven splits (dropless). Returns the
+    pairs routed to this rank's experts ``[M, H]`` (expert-major: all of its first expert's, from every
+    rank in rank order, then the next expert's), their count per local expert (int64), and the route
+    ``moe_combine`` takes. Backward: the pairs' gradients back home, summed into their tokens.
+    """
+    return torch.ops.smp.moe_dispatch(hidden, top_k_index, num_experts, _group_name(group))
+
+
+def moe_combine(expert_out: Tensor, top_k_weights: Tensor, route: Tensor, group: Group = None) -> Tensor:
+    """Expert parallelism's combine: the experts' outputs ``[M, H]`` (``moe_dispatch``'s rows) back to
+    their tokens, each token's k outputs weighted by ``top_k_weights`` ``[N, k]`` and summed: ``[N, H]``.
+    Backward: gradients for the expert outputs (sent back to the experts' ranks) and the weights."""
+    out, _ = torch.ops.smp.moe_combine(expert_out, top_k_weights, route, _group_name(group))
+    return out
+
+
 # --- fake kernels -------------------------------------------------------------
 # Shapes only, for FakeTensor tracing (torch.compile, torch.export) where the
 # ops are not decomposed by their Autograd kernels (e.g. under inference_mode).
@@ -265,3 +290,28 @@ def _tp_reduce_fake(input, group_name):
 @torch.library.register_fake("smp::tp_copy")
 def _tp_copy_fake(input, group_name):
     return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("smp::moe_dispatch")
+def _moe_dispatch_fake(hidden, top_k_index, num_experts, group_name):
+    ranks = _group_size(group_name)
+    torch._check(
+        num_experts % ranks == 0,
+        lambda: f"smp::moe_dispatch: {num_experts} experts do not divide among the group's {ranks} ranks",
+    )
+    routed = torch.library.get_ctx().new_dynamic_size()  # how many pairs arrive: data dependent
+    slots = top_k_index.shape[0] * top_k_index.shape[1]
+    return (
+        hidden.new_empty((routed, hidden.shape[1])),
+        hidden.new_empty((num_experts // ranks,), dtype=torch.int64),
+        hidden.new_empty((2 * num_experts + slots,), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("smp::moe_combine")
+def _moe_combine_fake(expert_out, top_k_weights, route, group_name):
+    tokens, top_k = top_k_weights.shape
+    return (
+        expert_out.new_empty((tokens, expert_out.shape[1])),
+        expert_out.new_empty((tokens * top_k, expert_out.shape[1])),  # the outputs back home
+    )

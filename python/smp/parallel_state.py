@@ -100,6 +100,7 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
         cfg.tensor_parallel_degree,
         cfg.placement_order,
         cfg.sharded_data_parallel_degree,
+        ep=cfg.expert_parallel_degree,
     )
     kept = _kept.pop((topology, group_timeout), None)
     groups, messaging = kept if kept is not None else _create_groups(topology, rank, group_timeout)
@@ -220,6 +221,10 @@ def parallel_groups() -> ParallelGroups:
         sdp_replica=s.process_groups[CommGroup.SDP_REPLICA_GROUP],
         sdp_ranks=ranks[CommGroup.SDP_GROUP],
         sdp_replica_ranks=ranks[CommGroup.SDP_REPLICA_GROUP],
+        ep=s.process_groups[CommGroup.EP_GROUP],
+        ep_replica=s.process_groups[CommGroup.EP_REPLICA_GROUP],
+        ep_ranks=ranks[CommGroup.EP_GROUP],
+        ep_replica_ranks=ranks[CommGroup.EP_REPLICA_GROUP],
     )
 
 
@@ -352,3 +357,4 @@ dp_rank, dp_size, get_dp_group, get_dp_process_group = _helpers(CommGroup.DP_GRO
 rdp_rank, rdp_size, get_rdp_group, get_rdp_process_group = _helpers(CommGroup.RDP_GROUP, "rdp")
 mp_rank, mp_size, get_mp_group, get_mp_process_group = _helpers(CommGroup.MP_GROUP, "mp")
 sdp_rank, sdp_size, get_sdp_group, get_sdp_process_group = _helpers(CommGroup.SDP_GROUP, "sdp")
+ep_rank, ep_size, get_ep_group, get_ep_process_group = _helpers(CommGroup.EP_GROUP, "ep")

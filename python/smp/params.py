@@ -10,6 +10,8 @@ can ask, and only this module knows how they are stored:
 - moved: the model now trains another Parameter in its place (its tensor-parallel
   shard, or its materialized copy under delayed initialization); `current` follows;
 - nonlocal: pipeline partitioning gave it to another stage; this rank freed it;
+- expert: expert parallelism gave this rank its block of a mixture of experts' banks (the ranks
+  of an ep group hold different experts: each block counts once in a global norm);
 - fp32 gradient: under bf16/fp16 its gradient is accumulated in fp32 here, and
   `param.grad` holds it in the parameter's dtype.
 """
@@ -23,6 +25,15 @@ _REPLACED = "_smp_replaced"
 _MOVED_TO = "_smp_moved_to"
 _NONLOCAL = "_smp_nonlocal"
 _GRAD32 = "_smp_grad32"
+_EXPERT = "_smp_expert"
+
+
+def mark_expert(param: nn.Parameter) -> None:
+    setattr(param, _EXPERT, True)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, _EXPERT, False)
 
 
 def mark_replaced(param: nn.Parameter) -> None:

@@ -34,6 +34,8 @@ class CommGroup(enum.Enum):
     MP_GROUP = "mp"
     SDP_GROUP = "sdp"
     SDP_REPLICA_GROUP = "sdp_replica"
+    EP_GROUP = "ep"
+    EP_REPLICA_GROUP = "ep_replica"
 
 
 class RankType(enum.Enum):
@@ -58,15 +60,26 @@ _VARYING = {
     CommGroup.MP_GROUP: "PT",
     CommGroup.SDP_GROUP: "D",  # part of D: D % sdp varies (see _key)
     CommGroup.SDP_REPLICA_GROUP: "D",  # part of D: D // sdp varies
+    CommGroup.EP_GROUP: "D",  # part of D: D % ep varies
+    CommGroup.EP_REPLICA_GROUP: "D",  # part of D: D // ep varies
+}
+
+# Kinds that cut D into blocks of a degree: kind -> (the degree's field, whether the group is one
+# block (D // degree agrees) or the same index in every block (D % degree agrees)).
+_BLOCKS = {
+    CommGroup.SDP_GROUP: ("sdp", True),
+    CommGroup.SDP_REPLICA_GROUP: ("sdp", False),
+    CommGroup.EP_GROUP: ("ep", True),
+    CommGroup.EP_REPLICA_GROUP: ("ep", False),
 }
 
 
-def _key(kind: CommGroup, c: dict[str, int], sdp: int) -> tuple[int, ...]:
+def _key(kind: CommGroup, c: dict[str, int], degrees: dict[str, int]) -> tuple[int, ...]:
     """What the ranks of one group of this kind agree on."""
-    if kind is CommGroup.SDP_GROUP:
-        return (c["P"], c["T"], c["D"] // sdp)
-    if kind is CommGroup.SDP_REPLICA_GROUP:
-        return (c["P"], c["T"], c["D"] % sdp)
+    if kind in _BLOCKS:
+        field, one_block = _BLOCKS[kind]
+        degree = degrees[field]
+        return (c["P"], c["T"], c["D"] // degree if one_block else c["D"] % degree)
     return tuple(c[a] for a in "DPT" if a not in _VARYING[kind])
 
 
@@ -77,6 +90,7 @@ class Topology:
     tp: int
     order: str = "DPT"
     sdp: int = 1  # sharded data parallelism: replicas a parameter is sharded over (divides rdp)
+    ep: int = 1  # expert parallelism: replicas the experts are divided among (divides rdp)
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.tp < 1 or self.world_size % (self.pp * self.tp):
@@ -86,6 +100,11 @@ class Topology:
         if self.sdp < 1 or self.rdp % self.sdp:
             raise ValueError(
                 f"sharded data parallel degree {self.sdp} does not divide the reduced data parallel "
+                f"degree {self.rdp} (world {self.world_size} / (pp {self.pp} x tp {self.tp}))"
+            )
+        if self.ep < 1 or self.rdp % self.ep:
+            raise ValueError(
+                f"expert parallel degree {self.ep} does not divide the reduced data parallel "
                 f"degree {self.rdp} (world {self.world_size} / (pp {self.pp} x tp {self.tp}))"
             )
         if sorted(self.order) != ["D", "P", "T"]:
@@ -116,7 +135,7 @@ class Topology:
         for kind in _VARYING:
             by_key: dict[tuple[int, ...], list[int]] = {}
             for rank, c in enumerate(self._coords):
-                key = _key(kind, c, self.sdp)
+                key = _key(kind, c, {"sdp": self.sdp, "ep": self.ep})
                 by_key.setdefault(key, []).append(rank)  # ranks arrive ascending
             groups = sorted(by_key.values(), key=lambda g: g[0])
             index = [0] * self.world_size
@@ -150,10 +169,10 @@ class Topology:
         return groups[index[self._checked(rank)]].index(rank)
 
     def group_size(self, group: CommGroup) -> int:
-        if group is CommGroup.SDP_GROUP:
-            return self.sdp
-        if group is CommGroup.SDP_REPLICA_GROUP:
-            return self.rdp // self.sdp
+        if group in _BLOCKS:
+            field, one_block = _BLOCKS[group]
+            degree = getattr(self, field)
+            return degree if one_block else self.rdp // degree
         size = 1
         for axis in _VARYING[group]:
             size *= self.sizes[axis]

@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
             "pipeline",
             "tensor_parallel",
             "data_parallel",
+            "expert_parallel",
             "sharded_data",
             "optim",
             "gradients",

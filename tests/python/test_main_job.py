@@ -84,6 +84,18 @@ def test_main_job_smoke(tmp_path):
     assert float(rows[-2].split(",")[1]) < losses[0] - 1.0, rows
 
 
+def test_main_job_mixtral_ep(tmp_path):
+    """The main job on transformers' Mixtral with its experts divided over 2 ranks (--ep 2): it trains."""
+    out_dir = tmp_path / "out"
+    args = ("--model", "mixtral", "--pp", "1", "--tp", "1", "--ep", "2", "--layers", "2", "--dim", "64")
+    out = run_torchrun(
+        "examples/train_gpt2.py", 2, "--steps", "8", "--log-every", "1", "--out-dir", str(out_dir), *args
+    )
+    assert "Mixtral" in out and "pp=1 tp=1 rdp=2 sdp=1 ep=2" in out and "done: 8 steps" in out, out
+    losses = [float(r.split(",")[1]) for r in (out_dir / "log.csv").read_text().splitlines()[1:]]
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0, losses  # ln 256 = 5.55 at the start
+
+
 def test_main_job_sdp(tmp_path):
     """The main job with --sdp 2 over two pipeline stages (4 processes): it trains (sharded data
     parallelism clipping at --clip), checkpoints and resumes."""

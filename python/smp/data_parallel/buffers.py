@@ -24,6 +24,7 @@ class Bucket:
     hi: int = 0
     storage: torch.Tensor | None = None
     shard: Shard | None = None
+    experts: bool = False  # expert parameters: combined over the replicas holding the same experts
 
     def sharded_view(self, p: torch.nn.Parameter) -> torch.Tensor:
         """p's part of the storage (allocated now if it is not yet)."""
@@ -120,19 +121,37 @@ def attach_grad(p: torch.nn.Parameter, view: torch.Tensor) -> None:
     p.grad = view
 
 
-def split_into_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive parameters of one dtype and device, about cap_bytes each."""
+def split_into_buckets(
+    params: list[torch.nn.Parameter], cap_bytes: int, kind=lambda p: None
+) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters of one dtype, device and `kind` (averaged over the same group), about
+    cap_bytes each."""
     buckets: list[list[torch.nn.Parameter]] = []
     size = 0
+
+    def key(p: torch.nn.Parameter) -> tuple:
+        return (p.dtype, p.device, kind(p))
+
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if (
-            not buckets
-            or size + nbytes > cap_bytes
-            or (buckets[-1][0].dtype, buckets[-1][0].device) != (p.dtype, p.device)
-        ):
+        if not buckets or size + nbytes > cap_bytes or key(buckets[-1][0]) != key(p):
             buckets.append([])
             size = 0
         buckets[-1].append(p)
         size += nbytes
     return buckets
+
+
+def worth_sharding(
+    replicas: int, backwards: int, windowed: bool, on_cuda: bool, grad_bytes: int, bucket_bytes: int
+) -> bool:
+    """The rule for sharded gradients left unset (config "shard_gradients": null): on where they save
+    memory without costing time. Replicas to average, one microbatch and no accumulation over steps
+    (else every bucket lives through the whole backward), CUDA parameters (on the host each step's
+    fresh bucket storage costs page faults, which slow the step: docs/benchmarks.md, "Bytes per
+    parameter a rank holds"; CUDA's caching allocator reuses the blocks), and more saved than the
+    buckets in flight cost, twice over (small models keep their whole gradients, and torch's .grad)."""
+    if replicas < 2 or backwards != 1 or windowed or not on_cuda:
+        return False
+    saved = grad_bytes * (1 - 1 / replicas)
+    return saved > 2 * (IN_FLIGHT + 1) * bucket_bytes

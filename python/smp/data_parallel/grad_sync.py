@@ -20,6 +20,10 @@ gradient is kept (its fp32 gradient is `smp.params.applied_grad(param)`; `.grad`
 buckets are ranges of those buffers, averaged in place: no bucket is allocated, and nothing is
 copied in or out (DDP's `gradient_as_bucket_view`, Megatron's main-gradient buffer).
 
+Expert parallelism: an expert's gradient already holds every ep rank's tokens' part (through the
+token exchange), so expert buckets are summed over the replicas holding the same experts
+(`expert_group`) and divided by the whole data-parallel degree: one process's global-batch gradient.
+
 Sharded gradients (ZeRO-2, `use_sharded_grads`): with the optimizer state sharded, a bucket's
 fp32 storage is allocated at its first gradient, averaged as soon as it is complete, and freed
 once this rank's chunk of it is copied into the optimizer's chunk gradient; at most
@@ -47,23 +51,9 @@ from smp.data_parallel.buffers import (
     attach_grad,
     own_buffers,
     split_into_buckets,
+    worth_sharding,
 )
 from smp.services import timeline
-
-
-def worth_sharding(
-    replicas: int, backwards: int, windowed: bool, on_cuda: bool, grad_bytes: int, bucket_bytes: int
-) -> bool:
-    """The rule for sharded gradients left unset (config "shard_gradients": null): on where they save
-    memory without costing time. Replicas to average, one microbatch and no accumulation over steps
-    (else every bucket lives through the whole backward), CUDA parameters (on the host each step's
-    fresh bucket storage costs page faults, which slow the step: docs/benchmarks.md, "Bytes per
-    parameter a rank holds"; CUDA's caching allocator reuses the blocks), and more saved than the
-    buckets in flight cost, twice over (small models keep their whole gradients, and torch's .grad)."""
-    if replicas < 2 or backwards != 1 or windowed or not on_cuda:
-        return False
-    saved = grad_bytes * (1 - 1 / replicas)
-    return saved > 2 * (IN_FLIGHT + 1) * bucket_bytes
 
 
 class GradSync:
@@ -75,8 +65,12 @@ class GradSync:
         bucket_cap_mb: float = 25,
         fp32_accumulate: bool = False,
         stage_reads: Mapping[int, int] | None = None,
+        expert_ids: frozenset[int] = frozenset(),
+        expert_group: dist.ProcessGroup | None = None,
     ):
         self._all_params = params
+        self._expert_ids = expert_ids
+        self._expert_group = expert_group
         # id(param) -> how many of this rank's stages read it, where more than one: the gradient
         # accumulations per microbatch its bucket waits for.
         self._stage_reads = dict(stage_reads or {})
@@ -320,10 +314,13 @@ class GradSync:
             flat = bucket.flat
         timed = self._timed is not None and self._timed.recording  # off: one test
         launched = timeline.now() if timed else 0
-        with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
-            work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+        group = self._expert_group if bucket.experts else self._dp_group
+        work = None  # expert buckets where ep is all of dp: only divided
+        if group is not None:
+            with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", group)):
+                work = dist.all_reduce(flat, group=group, async_op=True)
         self._launched.append((bucket, work))
-        if timed:
+        if timed and work is not None:
             self._timed.poll()
             nbytes = flat.numel() * flat.element_size()
             self._timed.add(work, "bucket", launched, bucket=index, params=len(bucket.params), bytes=nbytes)
@@ -331,8 +328,10 @@ class GradSync:
     def _retire(self, index: int) -> None:
         """Waits for bucket `index`'s average; a sharded bucket gives its chunk and is freed."""
         bucket, work = self._launched[index]
-        with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", self._dp_group)):
-            work.wait()
+        if work is not None:
+            group = self._expert_group if bucket.experts else self._dp_group
+            with faults.waiting(self._bucket_op(index), faults.group_of("data-parallel", group)):
+                work.wait()
         if bucket.shard is None:
             bucket.flat.div_(self._dp_size)  # averaged in place
         else:
@@ -341,6 +340,9 @@ class GradSync:
             bucket.shard.take(bucket, storage)
             self._launched[index] = (bucket, None)  # the work held the storage too
         self._retired = index + 1
+
+    def _is_expert(self, p: torch.nn.Parameter) -> bool:
+        return id(p) in self._expert_ids
 
     def _bucket_op(self, index: int) -> str:
         return f"gradient all-reduce of bucket {index + 1} of {len(self._buckets)}"
@@ -382,8 +384,8 @@ class GradSync:
             for buffer in reversed(self._buffers):
                 offset_of = {id(p): off for p, off in zip(buffer.params, buffer.offsets, strict=True)}
                 order = sorted(buffer.params, key=lambda p: offset_of[id(p)], reverse=True)
-                for group in split_into_buckets(order, self._cap_bytes):
+                for group in split_into_buckets(order, self._cap_bytes, self._is_expert):
                     lo, hi = offset_of[id(group[-1])], offset_of[id(group[0])] + group[0].numel()
-                    buckets.append(Bucket(group, buffer.grads[lo:hi]))
+                    buckets.append(Bucket(group, buffer.grads[lo:hi], experts=self._is_expert(group[0])))
         self._buckets = buckets
         self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}

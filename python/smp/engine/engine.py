@@ -282,6 +282,7 @@ class Engine:
             self.sharded_data = plan.sharded_data
             self._trained.take(final=self.captures)
             return
+        experts = plan.experts  # expert parallelism: expert gradients combined over their replicas
         self.grad_sync = GradSync(
             list(self.module.parameters()),
             plan.grad_group,
@@ -289,6 +290,8 @@ class Engine:
             self._bucket_cap_mb,
             self.dtype is not None,
             plan.stage_reads,
+            expert_ids=frozenset(map(id, experts.params)) if experts else frozenset(),
+            expert_group=experts.replica_group if experts else None,
         )
         # A captured model's stage graphs and optimizer state are built for the set at partition.
         self._trained.take(final=self.captures)
@@ -343,7 +346,7 @@ class Engine:
         grad_norm.check_norm_type(norm_type, "clip_grad_norm_")
         if self.sharded_data is not None:
             return self.sharded_data.clip_grad_norm(max_norm, norm_type)
-        first_replica = self.groups.rdp_rank == 0
+        first_replica = grad_norm.first_holder(self.groups.rdp_rank, self.groups.ep_size)
         return grad_norm.clip_whole(self.module.parameters(), self._counts_in_norm, max_norm, first_replica)
 
     def _shards_gradients(self) -> bool:

@@ -25,6 +25,7 @@ from smp.config import Config
 from smp.data_parallel import replicas
 from smp.engine import delayed_init
 from smp.engine.skeleton import Skeleton
+from smp.expert_parallel import ExpertPlacement, distribute
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline import placement
@@ -71,6 +72,8 @@ class Plan:
     split_regions: tuple[str, ...] = ()
     # Sharded data parallelism over the stages (FSDP2's units), or None.
     sharded_data: ShardedModel | None = None
+    # Expert parallelism: this rank's experts and where their gradients are combined, or None.
+    experts: ExpertPlacement | None = None
 
     def counts_in_norm(self, param: torch.Tensor, tp_rank: int) -> bool:
         """Whether this rank counts `param` in a global norm over the model-parallel ranks: shards
@@ -94,7 +97,9 @@ def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Pl
     module.to(device)
     tensors = list(module.parameters()) + list(module.buffers())
     grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
-    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, grad_group)
+    # After the broadcast: the replicas agree on every expert, and each keeps its ep rank's block.
+    experts = distribute(module, groups) if groups.ep_size > 1 else None
+    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, grad_group, experts=experts)
 
 
 def place_sharded(

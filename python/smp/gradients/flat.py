@@ -70,9 +70,9 @@ class FlatGradients(GradientState):
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grad_norm.check_norm_type(norm_type, "clip_master_grads")
         # Sharded: each rank's chunk is its own; unsharded master copies: count on one replica.
-        mine = self.sharded or self.groups.rdp_rank == 0
-        counts = self._counts
-        squares = self.flat.squared_norm(lambda p: counts(p) and mine)
+        first = grad_norm.first_holder(self.groups.rdp_rank, self.groups.ep_size)
+        counts, sharded = self._counts, self.sharded
+        squares = self.flat.squared_norm(lambda p: counts(p) and (sharded or first(p)))
         return grad_norm.clip(squares, max_norm, self.flat.scale_grads)
 
     def _after_step(self) -> None:

@@ -85,7 +85,7 @@ class GradientState:
         """Clips the gradients about to be applied by their global L2 norm (every stage, shard and
         chunk; a replicated parameter counted once); returns it. A collective on every rank."""
         grad_norm.check_norm_type(norm_type, "clip_master_grads")
-        first_replica = self.groups.rdp_rank == 0
+        first_replica = grad_norm.first_holder(self.groups.rdp_rank, self.groups.ep_size)
         return grad_norm.clip_whole(self.params(), self._counts, max_norm, first_replica)
 
     def step(self, closure=None):

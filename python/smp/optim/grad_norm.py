@@ -12,20 +12,31 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from smp import params as param_facts
+
 
 def check_norm_type(norm_type: float, name: str) -> None:
     if norm_type != 2.0:
         raise ValueError(f"smp: {name} supports the L2 norm (norm_type=2), got {norm_type}")
 
 
+def first_holder(rdp_rank: int, ep_size: int) -> Callable[[torch.Tensor], bool]:
+    """Whether this rank is the first reduced-data-parallel replica holding a whole parameter, the
+    one to count it: rdp rank 0, and for an expert parameter (different on each rank of an ep group,
+    a block of consecutive replicas) every rank of the first ep group."""
+    return lambda p: rdp_rank < ep_size if param_facts.is_expert(p) else rdp_rank == 0
+
+
 def unsharded_squares(
-    params: Iterable[torch.nn.Parameter], counts: Callable[[torch.Tensor], bool], first_replica: bool
+    params: Iterable[torch.nn.Parameter],
+    counts: Callable[[torch.Tensor], bool],
+    first_replica: Callable[[torch.Tensor], bool],
 ) -> torch.Tensor:
-    """Squares of whole gradients, which every reduced-data-parallel replica holds: the first
-    replica (rdp rank 0) counts them."""
-    if not first_replica:
-        return torch.zeros((), dtype=torch.float64)
-    return squares_of([p.grad.detach() for p in params if p.grad is not None and counts(p)])
+    """Squares of whole gradients, which every reduced-data-parallel replica holds (experts: every
+    replica of an ep rank): the first replica holding each (`first_holder`) counts it."""
+    return squares_of(
+        [p.grad.detach() for p in params if p.grad is not None and counts(p) and first_replica(p)]
+    )
 
 
 def squares_of(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -60,7 +71,7 @@ def clip_whole(
     params: Iterable[torch.nn.Parameter],
     counts: Callable[[torch.Tensor], bool],
     max_norm: float,
-    first_replica: bool,
+    first_replica: Callable[[torch.Tensor], bool],
 ):
     """clip() over the whole gradients of `params` (no optimizer chunks)."""
     params = [p for p in params if p.grad is not None]

@@ -1,0 +1,86 @@
+"""An experts module cut to this rank's experts, with a forward that exchanges the tokens.
+
+The module keeps its class, its names and its gate (transformers' `_apply_gate`, `act_fn`); its
+banks become this rank's block of experts (rows [rank * local, (rank + 1) * local) of dim 0) and
+its forward becomes: smp::moe_dispatch (each (token, expert) pair to the rank holding the expert),
+this rank's experts on the pairs they received, smp::moe_combine (outputs back, weighted, summed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import torch
+from torch import nn
+
+import smp.ops  # noqa: F401  (torch.ops.smp's fake kernels)
+
+_SLICE = "_smp_expert_slice"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSlice:
+    """Which experts a module holds: [start, start + local) of num_experts, exchanged over group."""
+
+    num_experts: int
+    start: int
+    local: int
+    group_name: str
+
+
+def expert_slice(module: nn.Module) -> ExpertSlice | None:
+    """The experts a module holds, if smp divided it (else None)."""
+    return getattr(module, _SLICE, None)
+
+
+def keep_local_experts(module: nn.Module, banks: tuple[str, ...], piece: ExpertSlice) -> dict:
+    """Cuts the module's banks to this rank's experts and gives it the exchanging forward; returns
+    {full parameter: this rank's parameter} for those that follow the model's parameters."""
+    moved = {}
+    for name in banks:
+        full = getattr(module, name)
+        local = nn.Parameter(
+            full.detach()[piece.start : piece.start + piece.local].clone(), requires_grad=full.requires_grad
+        )
+        setattr(module, name, local)
+        moved[full] = local
+    setattr(module, _SLICE, piece)
+    module.forward = types.MethodType(_exchanging_forward, module)
+    return moved
+
+
+def _exchanging_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    piece: ExpertSlice = getattr(self, _SLICE)
+    routed, counts, route = torch.ops.smp.moe_dispatch(
+        hidden_states, top_k_index, piece.num_experts, piece.group_name
+    )
+    if self.has_gate:
+        up = _experts_linear(self, routed, "gate_up_proj", counts)
+        hidden = self._apply_gate(up)
+    else:
+        hidden = self.act_fn(_experts_linear(self, routed, "up_proj", counts))
+    out = _experts_linear(self, hidden, "down_proj", counts)
+    return smp.ops.moe_combine(out, top_k_weights, route, piece.group_name)
+
+
+def _experts_linear(module: nn.Module, x: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x (expert-major, `counts` per local expert) through their expert's matrix (+ bias)."""
+    bank = getattr(module, name)
+    weight = bank if module.is_transposed else bank.transpose(-2, -1)  # [local, in, out]
+    out = grouped_matmul(x.to(weight.dtype), weight, counts)
+    if module.has_bias:
+        out = out + getattr(module, f"{name}_bias").repeat_interleave(counts, dim=0, output_size=x.shape[0])
+    return out
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x's rows by group (`counts` rows each, in order) times their group's [in, out] matrix: one
+    grouped matmul where torch has a kernel for it (bf16 on CUDA), a loop over the groups elsewhere."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight, offs=offsets)
+    parts = torch.split(x, counts.tolist())
+    return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
