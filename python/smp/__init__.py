@@ -30,8 +30,12 @@ from smp.engine.delayed_init import delay_param_initialization
 from smp.model import DistributedModel, set_activation_checkpointing
 from smp.optimizer import DistributedOptimizer
 from smp.parallel_state import (
+    cp_rank,
+    cp_size,
     dp_rank,
     dp_size,
+    get_cp_group,
+    get_cp_process_group,
     get_dp_group,
     get_dp_process_group,
     get_mp_group,
@@ -83,6 +87,7 @@ DP_GROUP = CommGroup.DP_GROUP
 RDP_GROUP = CommGroup.RDP_GROUP
 MP_GROUP = CommGroup.MP_GROUP
 SDP_GROUP = CommGroup.SDP_GROUP
+CP_GROUP = CommGroup.CP_GROUP
 WORLD_RANK = RankType.WORLD_RANK
 MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
@@ -90,12 +95,15 @@ PP_RANK = RankType.PP_RANK
 TP_RANK = RankType.TP_RANK
 RDP_RANK = RankType.RDP_RANK
 SDP_RANK = RankType.SDP_RANK
+CP_RANK = RankType.CP_RANK
 
 __all__ = [
     "delay_param_initialization",
     "amp",
     "ops",
     "BACKEND_NAME",
+    "CP_GROUP",
+    "CP_RANK",
     "DP_GROUP",
     "DP_RANK",
     "MP_GROUP",
@@ -165,6 +173,10 @@ __all__ = [
     "rdp_size",
     "sdp_rank",
     "sdp_size",
+    "cp_rank",
+    "cp_size",
+    "get_cp_group",
+    "get_cp_process_group",
     "get_sdp_group",
     "get_sdp_process_group",
     "recv_from",

@@ -92,6 +92,10 @@ class Config:
     tensor_parallel_seed: int = 0
     skip_tracing: bool = False
     sharded_data_parallel_degree: int = 1
+    # Context parallelism (SMP v2's keys): the ranks of a cp group cut every sequence of one batch
+    # between them (smp.context_parallel); "p2p" ring attention, "all_gather" or "a2a" (Ulysses).
+    context_parallel_degree: int = 1
+    cp_comm_type: str = "p2p"
     # Sharded data parallelism's knobs (SMP v1's names and defaults; smp.sharded_data says what
     # each maps to in FSDP2): parameters of a unit under the threshold stay gathered from
     # forward to backward; at most this many parameters gathered at once (prefetch depth);
@@ -156,19 +160,21 @@ class Config:
     def check_world(self, world_size: int, local_size: int | None = None) -> None:
         """Checks the layout against the processes there are; warns where SMP's advice applies."""
         pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
-        if world_size % (pp * tp):
+        cp = self.context_parallel_degree
+        degrees = f"pipeline_parallel_degree ({pp}) x tensor_parallel_degree ({tp})"
+        if cp > 1:
+            degrees += f" x context_parallel_degree ({cp})"
+        if world_size % (pp * tp * cp):
             raise ValueError(
-                f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
-                f"({pp}) x tensor_parallel_degree ({tp}) = {pp * tp}; launch a multiple of {pp * tp} "
-                "processes or change the degrees"
+                f"smp config: world size {world_size} is not divisible by {degrees} = {pp * tp * cp}; "
+                f"launch a multiple of {pp * tp * cp} processes or change the degrees"
             )
-        sdp, dp = self.sharded_data_parallel_degree, world_size // (pp * tp)
+        sdp, dp = self.sharded_data_parallel_degree, world_size // (pp * tp * cp)
         if dp % sdp:
             divisors = [d for d in range(1, dp + 1) if dp % d == 0]
             raise ValueError(
                 f"smp config: sharded_data_parallel_degree={sdp} does not divide the data-parallel "
-                f"degree {dp} (world size {world_size} / (pipeline_parallel_degree {pp} x "
-                f"tensor_parallel_degree {tp})); set it to one of {divisors}"
+                f"degree {dp} (world size {world_size} / ({degrees})); set it to one of {divisors}"
             )
         if local_size is not None and tp > local_size:
             warnings.warn(
@@ -185,7 +191,11 @@ _schedule = functools.lru_cache(maxsize=16)(schedules.Schedule)
 # A week: longer than any wait a job can mean, and far inside what the C++ timeouts (int64
 # milliseconds) and datetime.timedelta can hold.
 # The pipeline schedules are smp.schedules' kinds.
-_CHOICES = {"pipeline": schedules.NAMES, "optimize": ("speed", "memory")}
+_CHOICES = {
+    "pipeline": schedules.NAMES,
+    "optimize": ("speed", "memory"),
+    "cp_comm_type": ("p2p", "all_gather", "a2a"),
+}
 
 
 _POSITIVE_INTS = (
@@ -194,6 +204,7 @@ _POSITIVE_INTS = (
     "microbatches",
     "activation_loading_horizon",
     "sharded_data_parallel_degree",
+    "context_parallel_degree",
     "signature_warn_after",
     "signature_cache_size",
 )
