@@ -5,8 +5,8 @@ SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 """
 
 # _checkout (first): in a checkout, smp.passes is this checkout's passes/. amp.GradScaler; nn: SMP
-# v1's distributed modules (smp.nn); ops registers the TP ops' fake kernels
-from smp import _checkout, amp, nn, ops  # noqa: F401
+# v1's distributed modules (smp.nn); ops and cp_ops register the TP and CP ops' fake kernels
+from smp import _checkout, amp, cp_ops, nn, ops  # noqa: F401
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
 from smp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint, wait_for_checkpoint

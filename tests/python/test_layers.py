@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
             "module_marks",
             "hf",
             "ops",
+            "cp_ops",
             "_backend",
             "_checkout",
             "attempt",
