@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
         [
             "pipeline",
             "tensor_parallel",
+            "context_parallel",
             "data_parallel",
             "sharded_data",
             "optim",
