@@ -95,6 +95,8 @@ class Rewrite:
             return
         if cut_inputs:
             self._gathers(node, cut_inputs)
+        elif self._over_sequence(node):
+            self._whole_attention(node)
         self._copy_whole(node)
         if plan is not None and plan.finish is None:
             self.seq_of[node.name] = plan.out
@@ -109,6 +111,8 @@ class Rewrite:
     def _gathers(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         """`node` has no rule for its cut inputs: they are gathered (refused for attention's
         softmax, which would hold the whole sequence's scores on every rank)."""
+        if node.target in _ATTENTION and self.gathered:  # an input reaches it gathered
+            self._whole_attention(node)
         if node.target in _ATTENTION:
             raise ContextParallelError(
                 f"smp context parallelism cannot cut the attention at node '{node.name}' "
@@ -120,6 +124,28 @@ class Rewrite:
             )
         names = ", ".join(n.name for n in inputs)
         self.gathered.append(f"{node.name} ({node.target}){where(node)}: gathers {names}")
+
+    def _over_sequence(self, node: fx.Node) -> bool:
+        """Whether `node` is an attention over the cut sequence (sdpa's queries, or softmax over
+        [..., S, S] scores, of the sequence's length)."""
+        if node.target not in _ATTENTION or not node.args:
+            return False
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-2] != self.seq.length:
+            return False
+        return node.target is aten.scaled_dot_product_attention.default or x.shape[-1] == self.seq.length
+
+    def _whole_attention(self, node: fx.Node) -> None:
+        """An attention over the sequence with inputs gathered whole would run (part of) the whole
+        sequence on every rank: refused, naming what was gathered."""
+        gathered = "; ".join(self.gathered) or "none recorded"
+        raise ContextParallelError(
+            f"smp context parallelism cannot cut the attention at node '{node.name}' ({node.target})"
+            f"{where(node)}: inputs reach it whole, because ops before it have no "
+            f"context-parallel rule and were gathered ({gathered}); write those steps with ops "
+            "the pass follows (view/reshape/permute/transpose/split/unbind, pointwise, linear), "
+            "or use context_parallel_degree=1"
+        )
 
     # --- reading values -----------------------------------------------------------
 

@@ -14,21 +14,48 @@ from harness import run_ranks
 TOL = 1e-5
 
 
+def mistral():
+    """Llama's shape with Mistral's sliding window (4 of the 16 positions)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=hf_cases.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=hf_cases.SEQ,
+        sliding_window=4,
+    )
+    return MistralForCausalLM(config)
+
+
+BUILD = {"gpt2": lambda: hf_cases.gpt2(2), "llama": lambda: hf_cases.llama(2), "mistral": mistral}
+
+
 def check_pass(rank, world, case, comm):
     import smp.passes as passes
 
     torch.manual_seed(0)
-    model = getattr(hf_cases, case)(2)
+    if case == "bert":  # no causal mask; -100 everywhere but the masked tokens
+        model, batch = hf_cases.bert(), hf_cases.masked_batch(0, 2)
+    else:
+        model, batch = BUILD[case](), hf_cases.causal_batch(0, 2)
+        batch["labels"] = batch["labels"].clone()
+        batch["labels"][0, 3:6] = -100  # ignored tokens: the mean is over the whole sequence's count
     model.config.use_cache = False
-    batch = hf_cases.causal_batch(0, 2)
-    batch["labels"] = batch["labels"].clone()
-    batch["labels"][0, 3:6] = -100  # ignored tokens: the mean is over the whole sequence's count
     kwargs = {"input_ids": batch["ids"], "labels": batch["labels"]}
+    if case == "bert":  # padding: the second row's last 3 tokens
+        kwargs["attention_mask"] = torch.ones_like(batch["ids"])
+        kwargs["attention_mask"][1, -3:] = 0
     expected = model(**kwargs)
     captured = passes.capture(model, (), kwargs)
     result = passes.context_parallel(captured.graph_module, dist.group.WORLD, comm)
-    assert result.seq_len == hf_cases.SEQ and result.inputs == {"input_ids": 1, "labels": 1}, result
-    assert len(result.attention) == 2 and all(comm in a for a in result.attention), result.attention
+    cut = {"input_ids": 1, "labels": 1} | ({"attention_mask": 1} if case == "bert" else {})
+    assert result.seq_len == hf_cases.SEQ and result.inputs == cut, result
+    layers = model.config.num_hidden_layers
+    assert len(result.attention) == layers and all(comm in a for a in result.attention), result.attention
     # Only the logits the model returns are gathered whole; every activation before them stays cut.
     assert len(result.gathered) == 1 and "gathered whole" in result.gathered[0], result.gathered
     attention = [
@@ -45,11 +72,75 @@ def check_pass(rank, world, case, comm):
     return errors, result.gathered
 
 
-@pytest.mark.parametrize("case", ["gpt2", "llama"])
+@pytest.mark.parametrize("case", ["gpt2", "llama", "mistral", "bert"])
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
 def test_cp_pass_matches_one_process(case, comm):
-    results = run_ranks(check_pass, 2, case, comm, timeout=300)
+    _parity(2, case, comm)
+
+
+@pytest.mark.parametrize("case, comm", [("llama", "p2p"), ("gpt2", "all_gather"), ("bert", "a2a")])
+def test_cp4_pass_matches_one_process(case, comm):
+    _parity(4, case, comm)
+
+
+def _parity(world, case, comm):
+    results = run_ranks(check_pass, world, case, comm, timeout=300)
     for errors, gathered in results:
         print(
-            f"cp pass {case} {comm}: loss error {errors[0]:.2e}, logits max error {errors[1]:.2e}; {gathered}"
+            f"cp={world} pass {case} {comm}: loss error {errors[0]:.2e}, logits {errors[1]:.2e}; {gathered}"
         )
+
+
+class _Heads(torch.nn.Module):
+    """Self-attention with `heads` heads over [B, S, 8 * heads] inputs."""
+
+    def __init__(self, heads, sort=False):
+        super().__init__()
+        self.heads, self.sort = heads, sort
+        self.qkv = torch.nn.Linear(8 * heads, 24 * heads)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, 8).permute(2, 0, 3, 1, 4)
+        if self.sort:  # an op the pass has no rule for, on the queries
+            q = q.sort(dim=-1).values
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, -1).sum()
+
+
+def check_errors(rank, world):
+    import smp.passes as passes
+
+    group = dist.group.WORLD
+
+    def cut(model, x, comm="p2p"):
+        captured = passes.capture(model, (x,))
+        return passes.context_parallel(captured.graph_module, group, comm)
+
+    with pytest.raises(
+        passes.ContextParallelError,
+        match=r"length 14 does not divide into 2 x .* = 4 .*multiple of 4 \(e.g. 16\)",
+    ):
+        cut(_Heads(2), torch.randn(2, 14, 16))
+    with pytest.raises(
+        passes.ContextParallelError, match=r"3 query heads .* do not divide by 2; use cp_comm_type 'p2p'"
+    ):
+        cut(_Heads(3), torch.randn(2, 16, 24), "a2a")
+    with pytest.raises(passes.ContextParallelError, match="found no attention"):
+        cut(torch.nn.Linear(4, 4), torch.randn(2, 16, 4))
+    with pytest.raises(passes.ContextParallelError, match=r"cannot cut the attention .*gathered \(sort"):
+        cut(_Heads(2, sort=True), torch.randn(2, 16, 16))
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        cut(_Heads(2), torch.randn(2, 16, 16), "ring")
+    # 3 heads cut on the sequence (p2p: any head count) give one process's result.
+    torch.manual_seed(0)
+    model, x = _Heads(3), torch.randn(2, 16, 24)
+    captured = passes.capture(model, (x,))
+    passes.context_parallel(captured.graph_module, group, "p2p")
+    (got,) = captured.graph_module.forward(x)
+    torch.testing.assert_close(got, model(x), atol=TOL, rtol=TOL)
+    return True
+
+
+def test_cp_pass_errors_name_the_fix():
+    assert run_ranks(check_errors, 2, timeout=300) == [True, True]

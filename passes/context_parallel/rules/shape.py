@@ -70,11 +70,13 @@ rule(
 
 def _dim_map(node) -> list[int | None] | None:
     """For each result dim, the input dim it is (None: new); None for ops this does not describe."""
-    x, out = val(node.args[0]), val(node)
+    x, out, target = val(node.args[0]), val(node), node.target
+    if x is not None and target is aten.unbind.int:  # a list of results (val(node) is None)
+        d = dim_of(node.args[1] if len(node.args) > 1 else 0, x.dim())
+        return [i for i in range(x.dim()) if i != d]
     if x is None or out is None:
         return None
     nin, nout = x.dim(), out.dim()
-    target = node.target
     if target is aten.unsqueeze.default:
         d = dim_of(node.args[1], nout)
         return [None if i == d else (i if i < d else i - 1) for i in range(nout)]
@@ -94,10 +96,7 @@ def _dim_map(node) -> list[int | None] | None:
             d = dim_of(node.args[1], nin)
             gone = {d} if target is aten.select.int or x.shape[d] == 1 else set()
         return [i for i in range(nin) if i not in gone]
-    if target in (aten.slice.Tensor, aten.expand.default, aten.unbind.int):
-        if target is aten.unbind.int:
-            d = dim_of(node.args[1] if len(node.args) > 1 else 0, nin)
-            return [i for i in range(nin) if i != d]
+    if target in (aten.slice.Tensor, aten.expand.default):
         return [None] * (nout - nin) + list(range(nin))
     return None
 
