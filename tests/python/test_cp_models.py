@@ -36,3 +36,20 @@ def test_cp_parity(case, world, config):
     for r in per_rank:
         print(case, config, {k: r[k] for k in ("loss_err", "param_err", "grad_err")})
         assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL and r["grad_err"] < GRAD_RTOL, r
+
+
+def _peaks(rank, world_size, case):
+    configs = [{"context_parallel_degree": 2}, {"pipeline_parallel_degree": 2}]
+    results = pipeline_cases.train_smp(rank, world_size, case, configs, 1, 2, {"track_activations": True})
+    return [r["activation_peak"] for r in results]
+
+
+@pytest.mark.parametrize("case", ["hf_gpt2", "hf_llama"])
+def test_cp2_halves_saved_activations(case):
+    """Bytes saved for backward per rank at cp=2 against the whole model's (the two stages of
+    pp=2 together, counted by the same counter), on the same batch and sequence."""
+    per_rank = run_ranks(_peaks, 2, case, timeout=300)
+    cp2 = max(r[0] for r in per_rank)
+    whole = sum(r[1] for r in per_rank)
+    print(f"{case}: cp=2 saves {cp2} bytes per rank, the whole model {whole}: {cp2 / whole:.3f}x")
+    assert cp2 <= 0.55 * whole
