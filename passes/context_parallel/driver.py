@@ -288,14 +288,27 @@ def _reads_parameters(gm: fx.GraphModule) -> set[str]:
 
 def _infer_val(node: fx.Node, fake_mode):
     """The node's fake value, computed on its inputs' fake values (as the tensor-parallel
-    rewrite does: inside their fake mode, below autograd; `fake_mode` where none is fake)."""
+    rewrite does: inside their fake mode, below autograd; `fake_mode` where none is fake).
+
+    A later signature's capture holds the skeleton's parameters on the meta device while the
+    devices the graph names (arange's) are real ones: where the devices disagree, the value is
+    inferred with every tensor and device on meta (only its shape and dtype are read)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     fakes = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, FakeTensor)]
     mode = fakes[0].fake_mode if fakes else fake_mode
     if mode is None:
         return None
-    try:
-        with mode, torch._C._AutoDispatchBelowAutograd():
+    with mode, torch._C._AutoDispatchBelowAutograd():
+        try:
             return node.target(*args, **kwargs)
-    except Exception:
-        return None
+        except Exception:
+            pass
+        meta = torch.device("meta")
+        args, kwargs = pytree.tree_map(
+            lambda v: v.to(meta) if isinstance(v, FakeTensor) else meta if isinstance(v, torch.device) else v,
+            (args, kwargs),
+        )
+        try:
+            return node.target(*args, **kwargs)
+        except Exception:
+            return None

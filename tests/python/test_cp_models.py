@@ -53,3 +53,47 @@ def test_cp2_halves_saved_activations(case):
     whole = sum(r[1] for r in per_rank)
     print(f"{case}: cp=2 saves {cp2} bytes per rank, the whole model {whole}: {cp2 / whole:.3f}x")
     assert cp2 <= 0.55 * whole
+
+
+def _signatures(rank, world_size, config):
+    """Steps over sequences of 16, then 8, then 16 tokens (each length a signature of its own,
+    the second cut by the later-signature path); loss and gradients against one process."""
+    import hf_cases
+    import smp
+    import torch
+
+    smp.init(config)
+    torch.manual_seed(0)
+    reference = hf_cases.gpt2(2)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(hf_cases.gpt2(2))
+
+    @smp.step
+    def step(ids):
+        out = model(input_ids=ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss
+
+    errors = []
+    for length in (16, 8, 16):
+        ids = hf_cases.causal_batch(length, 2)["ids"][:, :length]
+        model.zero_grad()
+        loss = step(ids).reduce_mean()
+        reference.zero_grad()
+        expected = reference(input_ids=ids, labels=ids).loss
+        expected.backward()
+        grads = dict(reference.named_parameters())
+        grad_err = max(
+            (p.grad - grads[n].grad).abs().max().item()
+            for n, p in model.local_named_parameters()
+            if p.grad is not None
+        )
+        errors.append((abs(loss.item() - expected.item()), grad_err))
+    smp.parallel_state.reset()
+    return errors
+
+
+def test_cp_new_sequence_length_is_a_new_signature():
+    for errors in run_ranks(_signatures, 2, {"context_parallel_degree": 2}, timeout=300):
+        print("cp=2 sequences 16, 8, 16: (loss error, gradient max error)", errors)
+        assert all(loss < 1e-5 and grad < 1e-5 for loss, grad in errors), errors
