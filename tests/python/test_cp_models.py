@@ -15,7 +15,7 @@ GRAD_RTOL = 1e-4
 
 def _train(rank, world_size, case, config):
 
-    r = pipeline_cases.train_smp(rank, world_size, case, config, 3, 4)
+    (r,) = pipeline_cases.train_smp(rank, world_size, case, [config], 3, 4)  # config or (config, options)
     return {k: r[k] for k in ("loss_err", "param_err", "grad_err", "losses")}
 
 
@@ -29,6 +29,12 @@ def _train(rank, world_size, case, config):
         ("hf_llama", 4, {"context_parallel_degree": 2}),  # cp=2 x rdp=2: gradients averaged over both
         ("hf_gpt2", 4, {"context_parallel_degree": 2, "tensor_parallel_degree": 2}),
         ("hf_gpt2", 4, {"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}),
+        (
+            "hf_llama",
+            4,
+            {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2},
+        ),  # FSDP2 over dp x cp
+        ("hf_llama", 2, ({"context_parallel_degree": 2}, {"checkpoint": {"model.layers": "each"}})),
     ],
 )
 def test_cp_parity(case, world, config):
@@ -97,3 +103,20 @@ def test_cp_new_sequence_length_is_a_new_signature():
     for errors in run_ranks(_signatures, 2, {"context_parallel_degree": 2}, timeout=300):
         print("cp=2 sequences 16, 8, 16: (loss error, gradient max error)", errors)
         assert all(loss < 1e-5 and grad < 1e-5 for loss, grad in errors), errors
+
+
+def _bf16(rank, world_size, case):
+    configs = [{"context_parallel_degree": 2, "bf16": True}, {"pipeline_parallel_degree": 2, "bf16": True}]
+    return [
+        {k: r[k] for k in ("losses", "loss_err", "param_err", "moved")}
+        for r in pipeline_cases.train_smp(rank, world_size, case, configs, 3, 4)
+    ]
+
+
+def test_cp2_bf16_matches_another_layout_in_bf16():
+    """bf16 at cp=2 against one process in fp32 (within bf16's bound) and against pp=2 in bf16
+    (the same bf16 compute cut another way), with the model shown to have moved."""
+    cp2, pp2 = run_ranks(_bf16, 2, "hf_llama", timeout=300)[0]
+    print("bf16 cp=2", cp2, "pp=2", pp2)
+    assert cp2["loss_err"] < 1e-2 and cp2["losses"] == pytest.approx(pp2["losses"], rel=1e-2)
+    assert cp2["param_err"] < 2 * pp2["param_err"] + 1e-3 and cp2["moved"] > 0
