@@ -33,11 +33,15 @@ at::Tensor chunksInOrder(const at::Tensor& x, int64_t dim, int64_t size,
       order[inverse ? gathered : chunk] = inverse ? chunk : gathered;
     }
   }
-  at::Tensor index =
-      at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(x.device());
-  at::Tensor blocks = x.unflatten_symint(
-      dim, std::vector<c10::SymInt>{chunks, x.sym_size(dim) / chunks});
-  return blocks.index_select(dim, index).flatten(dim, dim + 1);
+  // Slices and one cat (no index tensor): fake and symbolic sizes trace it,
+  // so the autograd kernels run under torch.compile's fake tensors too.
+  const c10::SymInt length = x.sym_size(dim) / chunks;
+  std::vector<at::Tensor> parts;
+  parts.reserve(chunks);
+  for (const int64_t from : order) {
+    parts.push_back(x.narrow_symint(dim, length * from, length));
+  }
+  return at::cat(parts, dim);
 }
 
 namespace {
