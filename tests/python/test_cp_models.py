@@ -123,3 +123,39 @@ def test_cp2_bf16_matches_another_layout_in_bf16():
     print("bf16 cp=2", cp2, "pp=2", pp2)
     assert cp2["loss_err"] < 1e-2 and cp2["losses"] == pytest.approx(pp2["losses"], rel=1e-2)
     assert cp2["param_err"] < 2 * pp2["param_err"] + 1e-3 and cp2["moved"] > 0
+
+
+def _cp_checkpoint(rank, world_size, folder):
+    """test_checkpoint's protocol from cp=2: 4 uninterrupted steps; 2 steps saved full and
+    partial; each resumed at cp=1 (dp=2) and at pp=2 for the last 2."""
+    import smp
+    import test_checkpoint as tc
+
+    source = {"context_parallel_degree": 2}
+    smp.init(source)
+    dmodel, _, train = tc._build(smp)
+    train(range(4))
+    expected = dmodel.state_dict()
+    smp.parallel_state.reset()
+    smp.init(source)
+    dmodel, opt, train = tc._build(smp)
+    train(range(2))
+    for partial in (False, True):
+        smp.save_checkpoint(
+            folder, "step2", partial=partial, model=dmodel, optimizer=opt, user_content={"step": 2}
+        )
+    smp.parallel_state.reset()
+    results = []
+    for target in ({}, {"pipeline_parallel_degree": 2}, source):
+        for partial in (True, False):
+            results.append((str(target), partial, *tc._resume_on(smp, target, folder, partial, expected)))
+    return results
+
+
+def test_cp_checkpoint_moves_between_cp_degrees(tmp_path):
+    """A checkpoint saved at cp=2 resumes at cp=1 (dp=2), at pp=2 and at cp=2 exactly as saved,
+    and the last 2 steps then match 4 uninterrupted steps at cp=2."""
+    results = run_ranks(_cp_checkpoint, 2, str(tmp_path), timeout=300)[0]
+    print(results)
+    for target, partial, state_error, train_error in results:
+        assert state_error == 0.0 and train_error < 1e-5, (target, partial, state_error, train_error)
