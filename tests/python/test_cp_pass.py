@@ -31,7 +31,19 @@ def mistral():
     return MistralForCausalLM(config)
 
 
-BUILD = {"gpt2": lambda: hf_cases.gpt2(2), "llama": lambda: hf_cases.llama(2), "mistral": mistral}
+def gpt2_eager():
+    """GPT-2 with HF's eager attention: softmax(QK^T)V written out (the keys gathered)."""
+    model = hf_cases.gpt2(2)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+BUILD = {
+    "gpt2": lambda: hf_cases.gpt2(2),
+    "llama": lambda: hf_cases.llama(2),
+    "mistral": mistral,
+    "gpt2_eager": gpt2_eager,
+}
 
 
 def check_pass(rank, world, case, comm):
@@ -55,15 +67,30 @@ def check_pass(rank, world, case, comm):
     cut = {"input_ids": 1, "labels": 1} | ({"attention_mask": 1} if case == "bert" else {})
     assert result.seq_len == hf_cases.SEQ and result.inputs == cut, result
     layers = model.config.num_hidden_layers
-    assert len(result.attention) == layers and all(comm in a for a in result.attention), result.attention
+    # eager: QK^T and PV each read one gathered operand (K, V), so two lines per layer
+    form, per_layer = ("an eager attention", 2) if case == "gpt2_eager" else (comm, 1)
+    assert len(result.attention) == per_layer * layers, result.attention
+    assert all(form in a for a in result.attention), result.attention
     # Only the logits the model returns are gathered whole; every activation before them stays cut.
-    assert len(result.gathered) == 1 and "gathered whole" in result.gathered[0], result.gathered
+    # (and, for eager attention, each layer's K and V: the columns of the scores)
+    gathered = 1 + (2 * model.config.num_hidden_layers if case == "gpt2_eager" else 0)
+    assert len(result.gathered) == gathered and all("gathered whole" in g for g in result.gathered), result
     attention = [
         n
         for n in captured.graph_module.graph.nodes
         if n.target in (torch.ops.smp.cp_attention.default, torch.ops.smp.cp_to_heads.default)
     ]
-    assert attention and all(n.args[0].meta["val"].shape[2] == hf_cases.SEQ // world for n in attention)
+    if case == "gpt2_eager":  # the scores: this rank's rows against every column
+        attention = [
+            n
+            for n in captured.graph_module.graph.nodes
+            if n.target in (torch.ops.aten._softmax.default, torch.ops.aten.softmax.int)
+        ]
+        assert attention and all(
+            n.meta["val"].shape[-2:] == (hf_cases.SEQ // world, hf_cases.SEQ) for n in attention
+        )
+    else:
+        assert attention and all(n.args[0].meta["val"].shape[2] == hf_cases.SEQ // world for n in attention)
     out = captured.graph_module.forward(*captured.flatten_inputs((), kwargs))  # flat, as the engine calls it
     loss, logits = out[0], out[1]
     errors = [(loss - expected.loss).abs().item(), (logits - expected.logits).abs().max().item()]
@@ -78,9 +105,15 @@ def test_cp_pass_matches_one_process(case, comm):
     _parity(2, case, comm)
 
 
-@pytest.mark.parametrize("case, comm", [("llama", "p2p"), ("gpt2", "all_gather"), ("bert", "a2a")])
+@pytest.mark.parametrize(
+    "case, comm", [("llama", "p2p"), ("gpt2", "all_gather"), ("bert", "a2a"), ("gpt2_eager", "p2p")]
+)
 def test_cp4_pass_matches_one_process(case, comm):
     _parity(4, case, comm)
+
+
+def test_cp2_pass_on_eager_attention():
+    _parity(2, "gpt2_eager", "p2p")
 
 
 def _parity(world, case, comm):
