@@ -78,4 +78,26 @@ at::Tensor allToAll(const at::Tensor& input,
       op, {input.contiguous(), output_splits, input_splits, group_name}));
 }
 
+at::Tensor reduceScatter(const at::Tensor& input, int64_t dim,
+                         const std::string& group_name) {
+  static const c10::OperatorHandle op =
+      functionalOp("_c10d_functional::reduce_scatter_tensor");
+  const int64_t size = groupSize(group_name);
+  // reduce_scatter_tensor scatters along dim 0: move `dim` there and back.
+  at::Tensor moved = dim == 0 ? input : input.movedim(dim, 0);
+  at::Tensor mine = waitTensor(callBoxed(
+      op, {moved.contiguous(), std::string("sum"), size, group_name}));
+  return dim == 0 ? mine : mine.movedim(0, dim).contiguous();
+}
+
+at::Tensor allToAll(const at::Tensor& input, const std::string& group_name) {
+  static const c10::OperatorHandle op =
+      functionalOp("_c10d_functional::all_to_all_single");
+  const int64_t size = groupSize(group_name);
+  const c10::SymInt block = input.sym_size(0) / size;
+  std::vector<c10::SymInt> splits(size, block);
+  return waitTensor(callBoxed(op, {input.contiguous(), c10::IValue(splits),
+                                   c10::IValue(splits), group_name}));
+}
+
 }  // namespace smp::ops

@@ -37,4 +37,15 @@ at::Tensor allToAll(const at::Tensor& input,
                     const std::vector<int64_t>& input_splits,
                     const std::string& group_name);
 
+// reduce_scatter_tensor (sum) along dimension `dim` (already wrapped, >= 0):
+// the input's size there divides by the group size, and this rank keeps the
+// sum of every rank's block number group-rank.
+at::Tensor reduceScatter(const at::Tensor& input, int64_t dim,
+                         const std::string& group_name);
+
+// all_to_all_single on dimension 0 (its size divides by the group size):
+// block j of the input goes to rank j, and the output's block i came from
+// rank i.
+at::Tensor allToAll(const at::Tensor& input, const std::string& group_name);
+
 }  // namespace smp::ops

@@ -8,6 +8,8 @@
 
     tensor_parallel(captured.graph_module, tp_group, marked_module_paths)
                                                    # before split: marked layers sharded over tp_group
+    context_parallel(captured.graph_module, cp_group, "p2p")
+                                                   # then: this rank's part of the sequence
     regions.outline_regions(pipe.stages[0].module, [Region("layers.0", frozenset({"layers.0"}))], wrap)
                                                    # after split: a module's nodes become one call
 
@@ -26,6 +28,7 @@ installed as smp.passes (setup.py maps it).
 
 from . import bindings, cost, outline, regions
 from .capture import CapturedGraph, CaptureError, capture
+from .context_parallel import ContextParallelError, ContextParallelResult, context_parallel
 from .follow import follow_modules, follow_partition, module_stages
 from .partition import (
     PartitionError,
@@ -41,6 +44,9 @@ from .tensor_parallel import ShardSpec, TensorParallelResult, module_specs, tens
 
 __all__ = [
     "CaptureError",
+    "ContextParallelError",
+    "ContextParallelResult",
+    "context_parallel",
     "CapturedGraph",
     "OutputLeaf",
     "PartitionError",

@@ -5,8 +5,8 @@ SMP v1 (`import smdistributed.modelparallel.torch as smp`).
 """
 
 # _checkout (first): in a checkout, smp.passes is this checkout's passes/. amp.GradScaler; nn: SMP
-# v1's distributed modules (smp.nn); ops registers the TP ops' fake kernels
-from smp import _checkout, amp, nn, ops  # noqa: F401
+# v1's distributed modules (smp.nn); ops and cp_ops register the TP and CP ops' fake kernels
+from smp import _checkout, amp, cp_ops, nn, ops  # noqa: F401
 from smp._backend import BACKEND_NAME, backend_stats
 from smp._backend import register as _register_backend
 from smp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint, wait_for_checkpoint
@@ -30,10 +30,14 @@ from smp.engine.delayed_init import delay_param_initialization
 from smp.model import DistributedModel, set_activation_checkpointing
 from smp.optimizer import DistributedOptimizer
 from smp.parallel_state import (
+    cp_rank,
+    cp_size,
     dp_rank,
     dp_size,
     ep_rank,
     ep_size,
+    get_cp_group,
+    get_cp_process_group,
     get_dp_group,
     get_dp_process_group,
     get_ep_group,
@@ -88,6 +92,7 @@ RDP_GROUP = CommGroup.RDP_GROUP
 MP_GROUP = CommGroup.MP_GROUP
 SDP_GROUP = CommGroup.SDP_GROUP
 EP_GROUP = CommGroup.EP_GROUP
+CP_GROUP = CommGroup.CP_GROUP
 WORLD_RANK = RankType.WORLD_RANK
 MP_RANK = RankType.MP_RANK
 DP_RANK = RankType.DP_RANK
@@ -95,12 +100,15 @@ PP_RANK = RankType.PP_RANK
 TP_RANK = RankType.TP_RANK
 RDP_RANK = RankType.RDP_RANK
 SDP_RANK = RankType.SDP_RANK
+CP_RANK = RankType.CP_RANK
 
 __all__ = [
     "delay_param_initialization",
     "amp",
     "ops",
     "BACKEND_NAME",
+    "CP_GROUP",
+    "CP_RANK",
     "DP_GROUP",
     "DP_RANK",
     "MP_GROUP",
@@ -171,6 +179,10 @@ __all__ = [
     "rdp_size",
     "sdp_rank",
     "sdp_size",
+    "cp_rank",
+    "cp_size",
+    "get_cp_group",
+    "get_cp_process_group",
     "get_sdp_group",
     "get_sdp_process_group",
     "ep_rank",

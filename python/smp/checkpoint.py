@@ -316,7 +316,7 @@ def _rank_file(folder: str, rank: int) -> str:
 
 def _layout() -> tuple:
     topology = parallel_state.state().topology
-    return (topology.world_size, topology.pp, topology.tp, topology.sdp, topology.order)
+    return (topology.world_size, topology.pp, topology.tp, topology.sdp, topology.order, topology.cp)
 
 
 def _restore_rank_state(folder: str, weights_only: bool) -> None:

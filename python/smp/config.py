@@ -64,6 +64,10 @@ class Config:
     tensor_parallel_seed: int = 0
     skip_tracing: bool = False
     sharded_data_parallel_degree: int = 1
+    # Context parallelism (SMP v2's keys): the ranks of a cp group cut every sequence of one batch
+    # between them (smp.context_parallel); "p2p" ring attention, "all_gather" or "a2a" (Ulysses).
+    context_parallel_degree: int = 1
+    cp_comm_type: str = "p2p"
     # Sharded data parallelism's knobs (SMP v1's names and defaults; smp.sharded_data says what
     # each maps to in FSDP2): parameters of a unit under the threshold stay gathered from
     # forward to backward; at most this many parameters gathered at once (prefetch depth);
@@ -131,22 +135,24 @@ class Config:
     def check_world(self, world_size: int, local_size: int | None = None) -> None:
         """Checks the layout against the processes there are; warns where SMP's advice applies."""
         pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
-        if world_size % (pp * tp):
+        cp = self.context_parallel_degree
+        degrees = f"pipeline_parallel_degree ({pp}) x tensor_parallel_degree ({tp})"
+        if cp > 1:
+            degrees += f" x context_parallel_degree ({cp})"
+        if world_size % (pp * tp * cp):
             raise ValueError(
-                f"smp config: world size {world_size} is not divisible by pipeline_parallel_degree "
-                f"({pp}) x tensor_parallel_degree ({tp}) = {pp * tp}; launch a multiple of {pp * tp} "
-                "processes or change the degrees"
+                f"smp config: world size {world_size} is not divisible by {degrees} = {pp * tp * cp}; "
+                f"launch a multiple of {pp * tp * cp} processes or change the degrees"
             )
-        dp = world_size // (pp * tp)
+        dp = world_size // (pp * tp * cp)
         for key in ("sharded_data_parallel_degree", "expert_parallel_degree"):  # both cut dp
             degree = getattr(self, key)
             if dp % degree:
                 divisors = [d for d in range(1, dp + 1) if dp % d == 0]
                 raise ValueError(
                     f"smp config: {key}={degree} does not divide the data-parallel degree {dp} (world "
-                    f"size {world_size} / (pipeline_parallel_degree {pp} x tensor_parallel_degree "
-                    f"{tp})); set it to one of {divisors}, or launch a multiple of {pp * tp * degree} "
-                    "processes"
+                    f"size {world_size} / ({degrees})); set it to one of {divisors}, or launch a "
+                    f"multiple of {pp * tp * cp * degree} processes"
                 )
         if local_size is not None and tp > local_size:
             warnings.warn(

@@ -129,6 +129,8 @@ VALUES: dict[str, Check] = {
     "skip_tracing": _flag,
     "sharded_data_parallel_degree": _positive,
     "expert_parallel_degree": _positive,
+    "context_parallel_degree": _positive,
+    "cp_comm_type": _one_of("p2p", "all_gather", "a2a"),
     "sdp_reduce_bucket_size": _element_count,
     "sdp_param_persistence_threshold": _element_count,
     "sdp_max_live_parameters": _element_count,
@@ -195,7 +197,7 @@ def _cuda_graph_message(c) -> str:
 
 def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
-    refused = [f"{k}={getattr(c, k)}" for k in _DEGREES if getattr(c, k) != 1]
+    refused = [f"{k}={getattr(c, k)}" for k in (*_DEGREES, "context_parallel_degree") if getattr(c, k) != 1]
     if c.shard_optimizer_state:
         refused.append("shard_optimizer_state=true")
     if c.compile is not None:
@@ -252,7 +254,7 @@ AGREEMENT = (
     # Expert parallelism (smp.expert_parallel) composes with data parallelism only so far; compile
     # is refused since the exchange's splits are read on the host (data dependent).
     Rule(
-        ("expert_parallel_degree", *_DEGREES, "shard_optimizer_state", "compile"),
+        ("expert_parallel_degree", *_DEGREES, "context_parallel_degree", "shard_optimizer_state", "compile"),
         lambda c: c.expert_parallel_degree != 1 and bool(_ep_refused(c)),
         lambda c: (
             f"smp config: expert_parallel_degree={c.expert_parallel_degree} runs with data parallelism "

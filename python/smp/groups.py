@@ -15,7 +15,12 @@ from smp.topology import Topology
 
 @dataclasses.dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's place in the layout and the process groups the engine works over."""
+    """This rank's place in the layout and the process groups the engine works over.
+
+    `rdp`/`dp` (and their ranks) are the replicas of this rank's parameters, over which gradients
+    are averaged: the data replicas and, with context parallelism, their cp ranks too (see
+    smp.topology's RDP_CP_GROUP); `cp` is the context-parallel group.
+    """
 
     rank: int
     topology: Topology
@@ -42,6 +47,10 @@ class ParallelGroups:
     ep_replica: dist.ProcessGroup | None = None
     ep_ranks: tuple[int, ...] = ()
     ep_replica_ranks: tuple[int, ...] = ()
+    # Context parallelism: the ranks cutting one batch's sequences (None: not made).
+    cp: dist.ProcessGroup | None = None
+    cp_ranks: tuple[int, ...] = ()
+    cp_rank: int = 0
 
     @property
     def pp_size(self) -> int:
@@ -54,6 +63,10 @@ class ParallelGroups:
     @property
     def rdp_size(self) -> int:
         return len(self.rdp_ranks)
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.cp_ranks) or 1
 
     @property
     def sdp_size(self) -> int:

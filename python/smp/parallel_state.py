@@ -101,6 +101,7 @@ def init(config: Mapping[str, Any] | None = None, timeout: datetime.timedelta | 
         cfg.placement_order,
         cfg.sharded_data_parallel_degree,
         ep=cfg.expert_parallel_degree,
+        cp=cfg.context_parallel_degree,
     )
     kept = _kept.pop((topology, group_timeout), None)
     groups, messaging = kept if kept is not None else _create_groups(topology, rank, group_timeout)
@@ -118,6 +119,7 @@ def _identity(topology: Topology, rank: int, cfg: config_lib.Config) -> dict[str
         "stages": cfg.schedule().rank_stages(pp_rank),
         "tp": topology.group_rank(CommGroup.TP_GROUP, rank),
         "rdp": topology.group_rank(CommGroup.RDP_GROUP, rank),
+        "cp": topology.group_rank(CommGroup.CP_GROUP, rank),
     }
 
 
@@ -201,6 +203,9 @@ def state() -> _State:
 
 
 def parallel_groups() -> ParallelGroups:
+    """The engine's groups. Its replicas are the ranks holding the same parameters: the data
+    replicas and, with context parallelism, their cp ranks too (RDP_CP_GROUP, DP_CP_GROUP), over
+    which gradients are averaged and parameters or optimizer state sharded."""
     s = state()
     ranks = {kind: tuple(s.topology.group_ranks(kind, s.rank)) for kind in CommGroup}
     return ParallelGroups(
@@ -208,15 +213,15 @@ def parallel_groups() -> ParallelGroups:
         topology=s.topology,
         pp_rank=s.topology.group_rank(CommGroup.PP_GROUP, s.rank),
         tp_rank=s.topology.group_rank(CommGroup.TP_GROUP, s.rank),
-        rdp_rank=s.topology.group_rank(CommGroup.RDP_GROUP, s.rank),
+        rdp_rank=s.topology.group_rank(CommGroup.RDP_CP_GROUP, s.rank),
         pp=s.process_groups[CommGroup.PP_GROUP],
         tp=s.process_groups[CommGroup.TP_GROUP],
-        dp=s.process_groups[CommGroup.DP_GROUP],
-        rdp=s.process_groups[CommGroup.RDP_GROUP],
+        dp=s.process_groups[CommGroup.DP_CP_GROUP],
+        rdp=s.process_groups[CommGroup.RDP_CP_GROUP],
         pp_ranks=ranks[CommGroup.PP_GROUP],
         tp_ranks=ranks[CommGroup.TP_GROUP],
-        dp_ranks=ranks[CommGroup.DP_GROUP],
-        rdp_ranks=ranks[CommGroup.RDP_GROUP],
+        dp_ranks=ranks[CommGroup.DP_CP_GROUP],
+        rdp_ranks=ranks[CommGroup.RDP_CP_GROUP],
         sdp=s.process_groups[CommGroup.SDP_GROUP],
         sdp_replica=s.process_groups[CommGroup.SDP_REPLICA_GROUP],
         sdp_ranks=ranks[CommGroup.SDP_GROUP],
@@ -225,6 +230,9 @@ def parallel_groups() -> ParallelGroups:
         ep_replica=s.process_groups[CommGroup.EP_REPLICA_GROUP],
         ep_ranks=ranks[CommGroup.EP_GROUP],
         ep_replica_ranks=ranks[CommGroup.EP_REPLICA_GROUP],
+        cp=s.process_groups[CommGroup.CP_GROUP],
+        cp_ranks=ranks[CommGroup.CP_GROUP],
+        cp_rank=s.topology.group_rank(CommGroup.CP_GROUP, s.rank),
     )
 
 
@@ -358,3 +366,4 @@ rdp_rank, rdp_size, get_rdp_group, get_rdp_process_group = _helpers(CommGroup.RD
 mp_rank, mp_size, get_mp_group, get_mp_process_group = _helpers(CommGroup.MP_GROUP, "mp")
 sdp_rank, sdp_size, get_sdp_group, get_sdp_process_group = _helpers(CommGroup.SDP_GROUP, "sdp")
 ep_rank, ep_size, get_ep_group, get_ep_process_group = _helpers(CommGroup.EP_GROUP, "ep")
+cp_rank, cp_size, get_cp_group, get_cp_process_group = _helpers(CommGroup.CP_GROUP, "cp")

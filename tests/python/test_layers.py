@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
             "module_marks",
             "hf",
             "ops",
+            "cp_ops",
             "_backend",
             "_checkout",
             "attempt",
@@ -44,6 +45,7 @@ LAYERS: dict[str, int] = {
         [
             "pipeline",
             "tensor_parallel",
+            "context_parallel",
             "data_parallel",
             "expert_parallel",
             "sharded_data",

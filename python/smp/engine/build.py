@@ -18,6 +18,7 @@ from torch import nn
 import smp.passes as passes
 from smp import recompute
 from smp.config import Config
+from smp.context_parallel import cut_following
 from smp.engine import compiled, delayed_init
 from smp.engine.plan import Flags, Plan, combined_batch
 from smp.engine.skeleton import make_real
@@ -61,7 +62,9 @@ def build(
             )
         delayed_init.retarget(captured.graph_module, plan.device)
         tp_batch = combined_batch(config, groups, batch_size) if groups.tp_size > 1 else None
-        pipe = _split_following(plan, captured, flags, config.colocate_shared_parameters, groups, tp_batch)
+        pipe = _split_following(
+            plan, captured, flags, config.colocate_shared_parameters, groups, tp_batch, config.cp_comm_type
+        )
     checkpointed = {}
 
     def checkpoint(gm) -> list[str]:
@@ -128,10 +131,17 @@ def recompute_report(plan: Plan, program: Program) -> str:
 
 
 def _split_following(
-    plan: Plan, captured, flags: Flags, colocate: bool, groups: ParallelGroups, tp_batch: int | None
+    plan: Plan,
+    captured,
+    flags: Flags,
+    colocate: bool,
+    groups: ParallelGroups,
+    tp_batch: int | None,
+    cp_comm: str,
 ) -> passes.PipelineGraph:
     """A new signature's capture (on the skeleton) cut as the plan says, this rank's stages reading
-    its real tensors (the others' dropped). `tp_batch`: the tensor-parallel group's combined batch."""
+    its real tensors (the others' dropped). `tp_batch`: the tensor-parallel group's combined batch;
+    `cp_comm`: the context-parallel attention's communication."""
     gm = captured.graph_module
     partition = passes.follow_modules(gm, plan.module_stages[flags], plan.schedule.num_stages, colocate)
     if groups.tp_size > 1:
@@ -145,6 +155,8 @@ def _split_following(
             dict(plan.replicated),
             colocate,
         )
+    if groups.cp_size > 1:
+        partition = cut_following(captured, partition, groups.cp, cp_comm, colocate)
     pipe = passes.split(captured, partition)
     own = plan.own_stages
     for s in pipe.stages:

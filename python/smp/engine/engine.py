@@ -55,8 +55,9 @@ class Engine:
         backward_passes_per_step: int = 1,
     ):
         self.module, self.config, self.groups = module, config, groups
-        # Whether the model runs as a captured graph (pipeline stages or tensor-parallel layers).
-        self.captures = groups.pp_size > 1 or groups.tp_size > 1
+        # Whether the model runs as a captured graph (pipeline stages, tensor-parallel layers or
+        # a cut sequence).
+        self.captures = groups.pp_size > 1 or groups.tp_size > 1 or groups.cp_size > 1
         self._device = rank_device()  # where its part runs (smp.init chose the GPU)
         self.schedule = config.schedule()
         self.dtype = precision.model_dtype(config)

@@ -2,7 +2,8 @@
 
 `make_plan` runs once per model, at its first step, with that microbatch as the example inputs.
 One function per parallelism, each with explicit inputs, in this order: capture (train and eval
-graphs) -> pipeline partition -> tensor-parallel rewrite -> pipeline split and keep-local ->
+graphs) -> pipeline partition -> tensor-parallel rewrite -> context-parallel rewrite -> pipeline
+split and keep-local ->
 materialize (delayed initialization) -> data-parallel replica sync. The result is a frozen Plan,
 which every input signature's program follows (smp.engine.build), and the first signature's
 split pipelines, already made. `place_whole` is the plan of a module that runs whole (data
@@ -22,6 +23,7 @@ from torch import nn
 import smp.passes as passes
 from smp import recompute
 from smp.config import Config
+from smp.context_parallel import cut_modes
 from smp.data_parallel import replicas
 from smp.engine import delayed_init
 from smp.engine.skeleton import Skeleton
@@ -192,6 +194,8 @@ def make_plan(
         modes, specs, tp_coverage, replicated = shard_modes(
             modes, module, groups.tp, marked, combined, config.colocate_shared_parameters
         )
+    if groups.cp_size > 1:  # each rank's part of the sequence (after TP: heads already local)
+        modes = cut_modes(modes, groups.cp, config.cp_comm_type, config.colocate_shared_parameters)
     partition = modes[training_flags(module)][1]
     pipes = {flags: passes.split(c, p) for flags, (c, p) in modes.items()}
     partitions = [p for _, p in modes.values()]
