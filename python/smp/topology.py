@@ -104,8 +104,8 @@ class Topology:
     tp: int
     order: str = "DPT"
     sdp: int = 1  # sharded data parallelism: replicas a parameter is sharded over (divides rdp)
-    ep: int = 1  # expert parallelism: replicas the experts are divided among (divides rdp)
     cp: int = 1  # context parallelism: ranks each holding a slice of every sequence
+    ep: int = 1  # expert parallelism: replicas the experts are divided among (divides rdp)
 
     def __post_init__(self) -> None:
         model = self.pp * self.tp * self.cp
