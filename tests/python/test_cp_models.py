@@ -156,6 +156,11 @@ def test_cp_checkpoint_moves_between_cp_degrees(tmp_path):
     """A checkpoint saved at cp=2 resumes at cp=1 (dp=2), at pp=2 and at cp=2 exactly as saved,
     and the last 2 steps then match 4 uninterrupted steps at cp=2."""
     results = run_ranks(_cp_checkpoint, 2, str(tmp_path), timeout=300)[0]
-    print(results)
-    for target, partial, state_error, train_error in results:
-        assert state_error == 0.0 and train_error < 1e-5, (target, partial, state_error, train_error)
+    for target, partial, state_error, train_error, moved in results:
+        assert state_error == 0.0 and train_error < 1e-5 and moved > 1e-3, (
+            target,
+            partial,
+            state_error,
+            train_error,
+            moved,
+        )

@@ -392,7 +392,8 @@ def test_export_keeps_the_ops_and_decomposes_to_collectives(group):
     args = _tiny_model_args(group)[:-1]
     exported = torch.export.export(Tiny(), args)
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
-    assert {f"smp.{name}.default" for name in ops.__all__} <= targets
+    # (the mixture-of-experts exchange is exported in its own test: test_moe_ops.py)
+    assert {f"smp.{name}.default" for name in ops.__all__ if not name.startswith("moe_")} <= targets
     torch.testing.assert_close(exported.module()(*args), Tiny()(*args))
     decomposed = exported.run_decompositions()
     targets = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}

@@ -283,7 +283,7 @@ def _rejected(rank, world_size, config):
         ({"sharded_data_parallel_degree": 4}, ["does not divide", "[1, 2]"]),
         (
             {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
-            ["does not divide the data-parallel degree 1", "tensor_parallel_degree 2"],
+            ["does not divide the data-parallel degree 1", "tensor_parallel_degree (2)"],
         ),
         (
             {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "pipeline": "zero_bubble"},
