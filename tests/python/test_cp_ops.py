@@ -153,16 +153,6 @@ def test_cp_bad_input():
 # --- one process ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def group():
-    assert not dist.is_initialized(), "another test left torch.distributed initialized"
-    dist.init_process_group("smp", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_opcheck_and_fake_kernels(group):
     q, k, v, _ = _whole_inputs(4, kv_heads=2)
     mask = _mask("causal_bool", 4)

@@ -102,16 +102,6 @@ def test_exchange_equals_one_process(world, skew):
         assert received[0] >= sum(tokens_of) > max(received[1:])
 
 
-@pytest.fixture(scope="module")
-def group():
-    assert not dist.is_initialized(), "another test left torch.distributed initialized"
-    dist.init_process_group("smp", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_gradcheck_float64(group):
     x, index, weights = _data(0, 5, False)
     banks = _experts()

@@ -19,17 +19,6 @@ from smp import ops
 ATOL = RTOL = 1e-5  # float32 parity
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-rank smp group in this process, for the whole module."""
-    assert not dist.is_initialized(), "another test left torch.distributed initialized"
-    dist.init_process_group("smp", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 # --- one call of every op, at world size 1 -----------------------------------
 
 
