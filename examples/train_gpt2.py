@@ -3,10 +3,13 @@
     torchrun --standalone --nproc_per_node=4 examples/train_gpt2.py            # pp=2 x tp=2 on CPU
     torchrun --standalone --nproc_per_node=8 examples/train_gpt2.py --pp 2 --tp 2   # + rdp=2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py --model mixtral --pp 1 --tp 1 --ep 2
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py --pp 1 --tp 1 --cp 2 --seq-len 256
 
 The model is transformers' GPT2LMHeadModel, unmodified, built from a small config (no
 download). smp captures it, splits it into pipeline stages, shards its Conv1D layers and its
-tied embedding over the tensor-parallel group, and averages (or shards, with
+tied embedding over the tensor-parallel group, cuts every sequence over the context-parallel
+group (--cp: each rank holds 2 of its 2 x cp chunks, attention passes keys and values around the
+ring, or --cp-comm all_gather / a2a), and averages (or shards, with
 --shard-optimizer-state) over the reduced-data-parallel replicas. The text is read as bytes:
 vocabulary 256, no tokenizer to fetch.
 
@@ -42,7 +45,7 @@ TIMELINE_START, TIMELINE_STEPS = 11, 3  # a few steps once partitioning and firs
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    layout = p.add_argument_group("layout (pp * tp * rdp must equal the number of processes)")
+    layout = p.add_argument_group("layout (pp * tp * cp * rdp must equal the number of processes)")
     layout.add_argument("--pp", type=int, default=2, help="pipeline stages")
     layout.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
     layout.add_argument("--rdp", type=int, default=None, help="data-parallel replicas (default: the rest)")
@@ -63,6 +66,16 @@ def parse_args() -> argparse.Namespace:
         help="expert parallel degree (with --model mixtral): each layer's experts divided among this many "
         "replicas, tokens exchanged to them (divides rdp and --experts)",
     )
+    layout.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context parallel degree: each sequence cut over this many ranks, which read the same batch "
+        "(--seq-len divisible by 2 x cp)",
+    )
+    layout.add_argument(
+        "--cp-comm", choices=["p2p", "all_gather", "a2a"], default="p2p", help="attention across the cp ranks"
+    )
     layout.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master weights")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=300)
@@ -74,7 +87,12 @@ def parse_args() -> argparse.Namespace:
         help="sequences per step over every data-parallel rank (default: --batch-size x their number; "
         "a resumed run keeps its checkpoint's)",
     )
-    train.add_argument("--seq-len", type=int, default=64)
+    train.add_argument(
+        "--seq-len",
+        type=int,
+        default=64,
+        help="tokens per sequence (the model's positions are made this many)",
+    )
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     train.add_argument("--seed", type=int, default=0)
@@ -166,15 +184,20 @@ def batch_at(data: torch.Tensor, seq_len: int, global_batch: int, seed: int, ste
     return torch.stack([data[s : s + seq_len] for s in starts.tolist()])
 
 
-def padded_batch_at(data: torch.Tensor, seq_len: int, global_batch: int, seed: int, step: int, rows: slice):
+def padded_batch_at(
+    data: torch.Tensor, seq_len: int, global_batch: int, seed: int, step: int, rows: slice, multiple: int = 1
+):
     """As batch_at, rows of varied lengths (seq_len/4 to seq_len, as documents are), the batch
-    right-padded to its longest row (tokenizer padding='longest'): (ids, attention mask, labels with
-    -100 on pads). The lengths are the global batch's, the same on every rank: a tensor-parallel
-    group runs its ranks' batches concatenated, so they must agree on every dim but the batch."""
+    right-padded to its longest row rounded up to `multiple` (tokenizer padding='longest' with
+    pad_to_multiple_of: context parallelism cuts a sequence into 2 x cp chunks): (ids, attention
+    mask, labels with -100 on pads). The lengths are the global batch's, the same on every rank: a
+    tensor-parallel group runs its ranks' batches concatenated, so they must agree on
+    every dim but the batch."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     lengths = torch.randint(seq_len // 4, seq_len + 1, (global_batch,), generator=g)
-    longest = int(lengths.max())
-    starts = torch.randint(0, len(data) - longest, (global_batch,), generator=g)[rows]
+    longest = min(seq_len, -(-int(lengths.max()) // multiple) * multiple)
+    # (windows drawn as if full length: the same rows whatever the padding rounds to)
+    starts = torch.randint(0, len(data) - seq_len, (global_batch,), generator=g)[rows]
     ids = torch.stack([data[s : s + longest] for s in starts.tolist()])
     mask = (torch.arange(longest) < lengths[rows, None]).long()
     return ids * mask, mask, ids.masked_fill(mask == 0, -100)
@@ -184,7 +207,8 @@ def sizes(args, world: int) -> tuple[int, int, int]:
     """(global batch, this rank's batch, microbatches): a resumed run keeps its checkpoint's global
     batch and microbatch size, whatever the number of processes now (more microbatches per rank
     on fewer ranks)."""
-    dp = world // args.pp  # data-parallel ranks: the tensor-parallel ones each read their own rows
+    # Data-parallel ranks: the tensor-parallel ones each read their own rows, a cp group one batch.
+    dp = world // (args.pp * args.cp)
     saved = smp.checkpoint.newest_user_content(args.checkpoint_dir) if args.checkpoint_dir else None
     if saved is not None:
         global_batch, microbatch = saved["global_batch"], saved["microbatch_size"]
@@ -194,7 +218,8 @@ def sizes(args, world: int) -> tuple[int, int, int]:
     if global_batch % dp:
         raise SystemExit(
             f"the global batch of {global_batch} does not split over {dp} data-parallel ranks "
-            f"({world} processes / --pp {args.pp}); use a number of processes that divides it"
+            f"({world} processes / --pp {args.pp} / --cp {args.cp}); use a number of processes that "
+            "divides it"
         )
     batch = global_batch // dp
     microbatches = args.microbatches if microbatch is None else batch // microbatch
@@ -221,12 +246,19 @@ def layouts_for(world: int) -> str:
 def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rdp = args.rdp if args.rdp is not None else world // (args.pp * args.tp)
-    if args.pp * args.tp * rdp != world:
-        need = args.pp * args.tp * rdp
+    rdp = args.rdp if args.rdp is not None else world // (args.pp * args.tp * args.cp)
+    if args.pp * args.tp * args.cp * rdp != world:
+        need = args.pp * args.tp * args.cp * rdp
         raise SystemExit(
-            f"--pp {args.pp} x --tp {args.tp} x --rdp {rdp} = {need} processes, but torchrun started "
-            f"{world}; set --nproc_per_node={need} or change the degrees (for {world}: {layouts_for(world)})"
+            f"--pp {args.pp} x --tp {args.tp} x --cp {args.cp} x --rdp {rdp} = {need} processes, but "
+            f"torchrun started {world}; set --nproc_per_node={need} or change the degrees (for {world}: "
+            f"{layouts_for(world // args.cp)}{' with --cp ' + str(args.cp) if args.cp > 1 else ''})"
+        )
+    if args.seq_len % (2 * args.cp):
+        fit = -(-args.seq_len // (2 * args.cp)) * 2 * args.cp
+        raise SystemExit(
+            f"--seq-len {args.seq_len} does not cut into 2 x --cp {args.cp} = {2 * args.cp} equal chunks; "
+            f"use --seq-len {fit}"
         )
     global_batch, batch_size, microbatches = sizes(args, world)
     if args.ep > 1 and args.checkpoint_dir:
@@ -244,6 +276,8 @@ def main() -> None:
             "shard_optimizer_state": args.shard_optimizer_state,
             "sharded_data_parallel_degree": args.sdp,
             "expert_parallel_degree": args.ep,
+            "context_parallel_degree": args.cp,
+            "cp_comm_type": args.cp_comm,
             "sdp_gradient_clipping": args.clip,  # (used only under sdp, before each optimizer step)
             "bf16": args.bf16,
             "timeline": _timeline(args),
@@ -286,7 +320,7 @@ def main() -> None:
     rows = slice(smp.dp_rank() * batch_size, (smp.dp_rank() + 1) * batch_size)
     if args.dynamic_padding:
         stream = (
-            padded_batch_at(data, args.seq_len, global_batch, args.seed, step, rows)
+            padded_batch_at(data, args.seq_len, global_batch, args.seed, step, rows, 2 * args.cp)
             for step in range(start, args.steps)
         )
     else:
@@ -383,7 +417,8 @@ def _open_log(args, start: int, n_params: int, rdp: int):
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"{'Mixtral' if args.model == 'mixtral' else 'GPT-2'} {n_params / 1e6:.2f}M parameters, "
-        f"pp={args.pp} tp={args.tp} rdp={rdp} sdp={args.sdp}{f' ep={args.ep}' if args.ep > 1 else ''}, "
+        f"pp={args.pp} tp={args.tp} rdp={rdp} sdp={args.sdp}{f' ep={args.ep}' if args.ep > 1 else ''}"
+        f"{f' cp={smp.cp_size()} ({args.cp_comm}), sequence {args.seq_len}' if smp.cp_size() > 1 else ''}, "
         f"{smp.num_microbatches()} microbatches ({args.schedule}), on {device_name()}",
         flush=True,
     )

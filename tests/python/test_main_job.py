@@ -119,3 +119,41 @@ def test_main_job_sdp(tmp_path):
     out = run_torchrun("examples/train_gpt2.py", 4, "--steps", "9", "--log-every", "1", *common, timeout=300)
     last = (out_dir / "log.csv").read_text().splitlines()[-1].split(",")
     assert last[0] == "9" and float(last[1]) < losses[0] - 1.0, last
+
+
+def test_main_job_cp_matches_one_process(tmp_path):
+    """--cp 2 (ring attention) on 2 processes logs one process's losses on the same global batch,
+    with rows of varied length padded to a multiple of 2 x cp; a length that does not cut is
+    refused with the one to use."""
+    job = ("--pp", "1", "--tp", "1", "--layers", "2", "--dim", "64", "--seq-len", "64", "--dynamic-padding")
+    job += ("--steps", "4", "--log-every", "1")
+
+    def losses(nproc: int, *more: str) -> list[float]:
+        out_dir = tmp_path / f"out{nproc}"
+        out = run_torchrun("examples/train_gpt2.py", nproc, *job, "--out-dir", str(out_dir), *more)
+        assert "done: 4 steps" in out and ("cp=2 (p2p)" in out) == (nproc == 2), out
+        return [float(r.split(",")[1]) for r in (out_dir / "log.csv").read_text().splitlines()[1:]]
+
+    one, cut = losses(1), losses(2, "--cp", "2")  # (the header names smp's cp degree, not the flag)
+    assert len(one) == 4 and one[-1] < one[0] - 0.5, one  # it trains
+    assert max(abs(a - b) / a for a, b in zip(one, cut, strict=True)) < 1e-5, (one, cut)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), WORLD_SIZE="2")
+    refused = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/train_gpt2.py"),
+            "--pp",
+            "1",
+            "--tp",
+            "1",
+            "--cp",
+            "2",
+            "--seq-len",
+            "66",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "use --seq-len 68" in refused.stderr, refused.stderr
