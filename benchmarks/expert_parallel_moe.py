@@ -29,37 +29,13 @@ import time
 import smp
 import torch
 import torch.distributed as dist
+from tensor_parallel_moe import LR, batch, build  # the same Mixtral, batches and lr as tp's
 
-LR = 1e-3
 LAYOUTS = {
     "ep2": {"expert_parallel_degree": 2},
     "dp": {},
     "tp2": {"tensor_parallel_degree": 2, "prescaled_batch": True},
 }
-
-
-def build(args):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.dim,
-        intermediate_size=2 * args.dim,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_local_experts=args.experts,
-        num_experts_per_tok=2,
-        max_position_embeddings=args.seq,
-        router_aux_loss_coef=0.0,
-    )
-    torch.manual_seed(0)
-    return MixtralForCausalLM(config)
-
-
-def batch(step: int, args) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
 
 
 def run_layout(name: str, args) -> dict:
