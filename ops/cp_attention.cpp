@@ -284,6 +284,27 @@ void checkArgs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               ": the mask must not require a gradient");
 }
 
+// Runs `visit(qs, ks, kind, mask)` over the pairs of this rank's query
+// segments and block `src`'s key segments that contribute: causally above the
+// diagonal or entirely masked are skipped. Forward and backward both go
+// through here so that they skip the same pairs: a backward that visited a
+// pair the forward skipped (or the other way round) would compute gradients of
+// a different attention than the one that produced the output.
+template <typename Visit>
+void forEachPair(const Call& c, int64_t src, Visit&& visit) {
+  for (int64_t qs = 0; qs < 2; ++qs) {
+    for (int64_t ks = 0; ks < 2; ++ks) {
+      const Pair p{qs, ks, src};
+      const PairKind kind = kindOf(c, p);
+      const at::Tensor m = maskBlock(c, p);
+      if (kind == PairKind::kSkip || hidden(m)) {
+        continue;
+      }
+      visit(qs, ks, kind, m);
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> cpAttentionForward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, bool is_causal, double scale,
@@ -293,23 +314,18 @@ std::tuple<at::Tensor, at::Tensor> cpAttentionForward(
   at::Tensor out = at::zeros(q.sizes(), q.options().dtype(accType(q)));
   at::Tensor lse = at::full({q.size(0), q.size(1), q.size(2)}, -kInf,
                             q.options().dtype(accType(q)));
-  forEachBlock(comm, group_name, k, v,
-               [&](int64_t src, const at::Tensor& kb, const at::Tensor& vb) {
-                 for (int64_t qs = 0; qs < 2; ++qs) {
-                   for (int64_t ks = 0; ks < 2; ++ks) {
-                     const Pair p{qs, ks, src};
-                     const PairKind kind = kindOf(c, p);
-                     const at::Tensor m = maskBlock(c, p);
-                     if (kind == PairKind::kSkip || hidden(m)) {
-                       continue;
-                     }
-                     attendAndMerge(rows(q, qs, c.chunk), rows(kb, ks, c.chunk),
-                                    rows(vb, ks, c.chunk), m, kind, scale,
-                                    rows(out, qs, c.chunk),
-                                    lse.narrow(2, qs * c.chunk, c.chunk));
-                   }
-                 }
-               });
+  forEachBlock(
+      comm, group_name, k, v,
+      [&](int64_t src, const at::Tensor& kb, const at::Tensor& vb) {
+        forEachPair(
+            c, src,
+            [&](int64_t qs, int64_t ks, PairKind kind, const at::Tensor& m) {
+              attendAndMerge(rows(q, qs, c.chunk), rows(kb, ks, c.chunk),
+                             rows(vb, ks, c.chunk), m, kind, scale,
+                             rows(out, qs, c.chunk),
+                             lse.narrow(2, qs * c.chunk, c.chunk));
+            });
+      });
   return {out.to(q.scalar_type()), lse};
 }
 
@@ -329,47 +345,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpAttentionBackward(
   std::vector<at::Tensor> gathered_dk, gathered_dv;  // all_gather: by source
   Exchange carried;  // p2p: the gradients of the block in hand, in flight
   int64_t step = 0;
-  forEachBlock(comm, group_name, k, v,
-               [&](int64_t src, const at::Tensor& kb, const at::Tensor& vb) {
-                 at::Tensor dk = at::zeros(kb.sizes(), acc),
-                            dv = at::zeros(vb.sizes(), acc);
-                 for (int64_t qs = 0; qs < 2; ++qs) {
-                   for (int64_t ks = 0; ks < 2; ++ks) {
-                     const Pair p{qs, ks, src};
-                     const PairKind kind = kindOf(c, p);
-                     const at::Tensor m = maskBlock(c, p);
-                     if (kind == PairKind::kSkip || hidden(m)) {
-                       continue;
-                     }
-                     blockBackward(rows(q, qs, c.chunk), rows(kb, ks, c.chunk),
-                                   rows(vb, ks, c.chunk), m, kind, scale,
-                                   rows(dout, qs, c.chunk),
-                                   lse_safe.narrow(2, qs * c.chunk, c.chunk),
-                                   delta.narrow(2, qs * c.chunk, c.chunk),
-                                   rows(dq, qs, c.chunk), rows(dk, ks, c.chunk),
-                                   rows(dv, ks, c.chunk));
-                   }
-                 }
-                 if (comm == "all_gather") {
-                   gathered_dk.push_back(dk);
-                   gathered_dv.push_back(dv);
-                 } else if (c.size > 1) {
-                   // The block's gradients so far came with it from the
-                   // previous rank; with this rank's share they go on to the
-                   // next (after the last step: home, to the rank that holds
-                   // the block).
-                   if (step > 0) {
-                     carried.wait();
-                     dk.add_(carried.received[0]);
-                     dv.add_(carried.received[1]);
-                   }
-                   carried = startExchange(pg, {dk, dv}, kGradTag);
-                 } else {
-                   gathered_dk.push_back(dk);
-                   gathered_dv.push_back(dv);
-                 }
-                 ++step;
-               });
+  forEachBlock(
+      comm, group_name, k, v,
+      [&](int64_t src, const at::Tensor& kb, const at::Tensor& vb) {
+        at::Tensor dk = at::zeros(kb.sizes(), acc),
+                   dv = at::zeros(vb.sizes(), acc);
+        forEachPair(
+            c, src,
+            [&](int64_t qs, int64_t ks, PairKind kind, const at::Tensor& m) {
+              blockBackward(rows(q, qs, c.chunk), rows(kb, ks, c.chunk),
+                            rows(vb, ks, c.chunk), m, kind, scale,
+                            rows(dout, qs, c.chunk),
+                            lse_safe.narrow(2, qs * c.chunk, c.chunk),
+                            delta.narrow(2, qs * c.chunk, c.chunk),
+                            rows(dq, qs, c.chunk), rows(dk, ks, c.chunk),
+                            rows(dv, ks, c.chunk));
+            });
+        if (comm == "all_gather") {
+          gathered_dk.push_back(dk);
+          gathered_dv.push_back(dv);
+        } else if (c.size > 1) {
+          // The block's gradients so far came with it from the previous
+          // rank; with this rank's share they go on to the next (after the
+          // last step: home, to the rank that holds the block).
+          if (step > 0) {
+            carried.wait();
+            dk.add_(carried.received[0]);
+            dv.add_(carried.received[1]);
+          }
+          carried = startExchange(pg, {dk, dv}, kGradTag);
+        } else {
+          gathered_dk.push_back(dk);
+          gathered_dv.push_back(dv);
+        }
+        ++step;
+      });
   at::Tensor dk, dv;
   if (comm == "all_gather" && c.size > 1) {
     // Blocks came in ring order (src = rank, rank - 1, ...): put them in rank
