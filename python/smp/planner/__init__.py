@@ -18,7 +18,7 @@ from torch import nn
 from smp.planner import hardware as hardware_
 from smp.planner import memory, model_facts
 from smp.planner.hardware import Hardware
-from smp.planner.layout import Layout, from_config
+from smp.planner.layout import Layout, cp_problem, from_config
 from smp.planner.report import PlanResult
 from smp.planner.units import parse_memory
 from smp.planner.walk import evaluate, walk
@@ -72,6 +72,9 @@ def plan_job(
     if layout is not None:
         candidate = from_config(layout, workload.gpus)
         _check_tp(candidate, facts)
+        problem = cp_problem(candidate, workload.seq_len, facts.heads)
+        if problem:
+            raise ValueError(f"smp.plan: {problem}")
         return PlanResult(facts, workload, runtime, evaluated=evaluate(facts, candidate, workload, chosen))
     done = walk(facts, workload, chosen, precision)
     return PlanResult(facts, workload, runtime, tuple(done.candidates), tuple(done.notes))

@@ -16,8 +16,10 @@ from smp import schedules
 from smp.recompute.requests import group_size
 
 CHECKPOINTING_KEY = "activation_checkpointing"
-RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp * tp)
+RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp * tp * cp)
 SDP_KEY = "sharded_data_parallel_degree"
+CP_KEY, CP_COMM_KEY = "context_parallel_degree", "cp_comm_type"
+CP_COMMS = ("p2p", "all_gather", "a2a")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +39,27 @@ class Layout:
     offload_activations: bool = False
     activation_loading_horizon: int = 4
     shard_gradients: bool | None = None  # the config key; see gradient_sharding
+    cp: int = 1  # context parallelism: ranks cutting every sequence (they share one batch)
+    cp_comm: str = "p2p"  # "p2p" (ring attention), "all_gather" or "a2a" (Ulysses)
+
+    @property
+    def world(self) -> int:
+        """GPUs of the layout: pp x tp x cp x rdp."""
+        return self.pp * self.tp * self.cp * self.rdp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters: the data replicas with their cp ranks. Gradients
+        are averaged over them, and a sharded optimizer state (sdp: each block's sdp x cp ranks)
+        is sharded over them."""
+        return self.rdp * self.cp
 
     @property
     def gradient_sharding(self) -> bool | None:
         """Whether smp keeps only each rank's chunk of the gradients (ZeRO-2): False never, True
         (asked for, with sharded state and replicas), None where it saves enough memory (one
         microbatch: smp decides by the gradients' size, memory.py as GradSync.can_shard)."""
-        if not self.shard_optimizer_state or self.rdp == 1 or self.shard_gradients is False:
+        if not self.shard_optimizer_state or self.dp_cp == 1 or self.shard_gradients is False:
             return False
         if self.shard_gradients:
             return True
@@ -79,6 +95,8 @@ class Layout:
         config: dict[str, Any] = {
             "pipeline_parallel_degree": self.pp,
             "tensor_parallel_degree": self.tp,
+            CP_KEY: self.cp,
+            CP_COMM_KEY: self.cp_comm,
             "microbatches": self.microbatches,
             "active_microbatches": self.active,
             "pipeline": self.pipeline,
@@ -99,6 +117,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"tp={self.tp}", f"rdp={self.rdp}"]
+        if self.cp > 1:
+            parts.insert(2, f"cp={self.cp} {self.cp_comm}")
         if self.sdp > 1:
             parts.append(f"sdp={self.sdp}")
         if self.shard_optimizer_state:
@@ -131,16 +151,24 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
             raise ValueError(_unknown_key(key))
     parsed = _parse_smp_keys(config)
     pp, tp = parsed.pipeline_parallel_degree, parsed.tensor_parallel_degree
-    if gpus % (pp * tp):
+    cp = parsed.context_parallel_degree
+    degrees = f"pipeline_parallel_degree ({pp}) x tensor_parallel_degree ({tp})"
+    if cp > 1:
+        degrees += f" x {CP_KEY} ({cp})"
+    if gpus % (pp * tp * cp):
         raise ValueError(
-            f"smp.plan: pipeline_parallel_degree ({pp}) x tensor_parallel_degree ({tp}) = {pp * tp} does not "
+            f"smp.plan: {degrees} = {pp * tp * cp} does not "
             f"divide the {gpus} GPUs; choose degrees whose product divides {gpus}"
         )
-    rdp = gpus // (pp * tp)
+    rdp = gpus // (pp * tp * cp)
     if rdp_given is not None and rdp_given != rdp:
         raise ValueError(
-            f"smp.plan: pp ({pp}) x tp ({tp}) x {RDP_KEY} ({rdp_given}) = {pp * tp * rdp_given} is not the "
-            f"{gpus} GPUs; set {RDP_KEY} to {rdp} or leave it out"
+            f"smp.plan: pp ({pp}) x tp ({tp}) x cp ({cp}) x {RDP_KEY} ({rdp_given}) = "
+            f"{pp * tp * cp * rdp_given} is not the {gpus} GPUs; set {RDP_KEY} to {rdp} or leave it out"
+        )
+    if parsed.cp_comm_type not in CP_COMMS:
+        raise ValueError(
+            f"smp.plan: {CP_COMM_KEY} {parsed.cp_comm_type!r} is not one of {', '.join(CP_COMMS)}"
         )
     _check_checkpointing(checkpointing)
     layout = Layout(
@@ -159,6 +187,8 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
         offload_activations=parsed.offload_activations,
         activation_loading_horizon=parsed.activation_loading_horizon,
         shard_gradients=parsed.shard_gradients,
+        cp=cp,
+        cp_comm=parsed.cp_comm_type,
     )
     problem = sdp_problem(layout)
     if problem:
@@ -175,7 +205,7 @@ def sdp_problem(layout: Layout) -> str:
         divisors = [d for d in range(1, layout.rdp + 1) if layout.rdp % d == 0]
         return (
             f"{SDP_KEY} {n} does not divide the reduced data parallel degree {layout.rdp} "
-            f"(GPUs / (pp x tp)); choose one of {divisors}"
+            f"(GPUs / (pp x tp{' x cp' if layout.cp > 1 else ''})); choose one of {divisors}"
         )
     if layout.shard_optimizer_state:
         return (
@@ -192,6 +222,26 @@ def sdp_problem(layout: Layout) -> str:
         return (
             f"{SDP_KEY} {n} with pipeline '{layout.pipeline}': its weight gradients come after FSDP2 "
             "reduce-scatters them; use pipeline 'interleaved' or 'simple'"
+        )
+    return ""
+
+
+def cp_problem(layout: Layout, seq_len: int, heads: int) -> str:
+    """Why `layout`'s context parallelism cannot run on this sequence and model ("" where it can),
+    with the fix: the sequence is cut into 2 x cp chunks, and "a2a" spreads the heads (after tensor
+    parallelism) over the cp ranks."""
+    c = layout.cp
+    if c == 1:
+        return ""
+    if seq_len % (2 * c):
+        return (
+            f"{CP_KEY} {c}: the sequence of {seq_len} tokens does not cut into 2 x {c} chunks; pad it "
+            f"to {-(-seq_len // (2 * c)) * 2 * c} or choose a degree whose double divides {seq_len}"
+        )
+    if layout.cp_comm == "a2a" and (heads // layout.tp) % c:
+        return (
+            f"{CP_KEY} {c} with {CP_COMM_KEY} 'a2a': the {heads // layout.tp} attention heads per tensor-"
+            f"parallel rank do not divide by {c}; use 'p2p' or a degree dividing them"
         )
     return ""
 

@@ -26,6 +26,11 @@ optimizer state), plus what is gathered whole: up to SDP_LIVE_LAYERS layers' par
 backward, their gradients in the compute dtype (bf16 or fp32), the root unit's (embeddings, final
 norm, head) for the whole forward and backward, and one layer's fp32 reduce-scatter input.
 Activations are as without sdp. Either runtime: smp's sdp is FSDP2's buffers.
+Context parallelism (cp = C): each rank holds 2 of the 2C chunks of every sequence, so every
+activation term (saved, recomputed, working, pipeline and TP buffers) is 1/C of cp = 1's, except the
+logits, which leave the model whole (their fp32 gradient is the rank's cut). Parameters are whole on
+every cp rank; what is sharded over the data replicas (the optimizer state and ZeRO-2 gradients,
+sdp's shards) is sharded over their cp ranks too: rdp x cp ranks (sdp: sdp x cp).
 SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
 bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
 The peak is parameters + optimizer state + the larger of the backward (gradients being
@@ -221,7 +226,7 @@ class _ModelState:
 def _replicated_state(layout: Layout, runtime: Runtime, p: float) -> _ModelState:
     """Whole parameters; the optimizer state (and, ZeRO-2, the gradients) of 1/rdp of them with
     shard_optimizer_state."""
-    chunk = p / (layout.rdp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
+    chunk = p / (layout.dp_cp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
     accumulation, at_step, buckets = _gradient_terms(layout, runtime, p, chunk)
     return _ModelState(
         parameters=p * compute_bytes(layout),
@@ -253,19 +258,24 @@ def compute_bytes(layout: Layout) -> int:
     return 2 if layout.half else 4
 
 
+def sdp_shards(layout: Layout) -> int:
+    """Ranks a parameter is sharded over under sdp: a block of sdp replicas with their cp ranks."""
+    return layout.sdp * layout.cp
+
+
 def sdp_parameters(layout: Layout, p: float) -> float:
     """The fp32 parameter shard (FSDP2 keeps fp32 shards under bf16 too: no separate masters)."""
-    return 4 * p / layout.sdp
+    return 4 * p / sdp_shards(layout)
 
 
 def sdp_gradients(layout: Layout, p: float) -> float:
     """The fp32 gradient shard (reduce-scattered in fp32), kept across the step."""
-    return 4 * p / layout.sdp
+    return 4 * p / sdp_shards(layout)
 
 
 def sdp_optimizer_state(layout: Layout, p: float) -> float:
     """The optimizer's state of the parameter shard (Adam: two fp32 moments)."""
-    return 4 * ADAM_MOMENTS * p / layout.sdp
+    return 4 * ADAM_MOMENTS * p / sdp_shards(layout)
 
 
 def sdp_live_layers(facts: ModelFacts, layout: Layout, stage: int) -> float:
@@ -295,7 +305,7 @@ def _shards_gradients(layout: Layout, p: float) -> bool:
     where the chunk saves over twice the buckets in flight."""
     mode = layout.gradient_sharding
     if mode is None:
-        return p * 4 * (1 - 1 / layout.rdp) > 2 * SHARDED_GRADIENT_BUCKETS
+        return p * 4 * (1 - 1 / layout.dp_cp) > 2 * SHARDED_GRADIENT_BUCKETS
     return mode
 
 
@@ -313,7 +323,7 @@ def _gradient_terms(layout: Layout, runtime: Runtime, p: float, chunk: float) ->
         at_step = accumulation + chunk * 4
     else:
         accumulation = at_step = p * 4
-    copies = layout.rdp > 1 and runtime.bucket_copies
+    copies = layout.dp_cp > 1 and runtime.bucket_copies
     return accumulation, at_step, accumulation if copies else 0.0
 
 
@@ -321,8 +331,8 @@ def _activation_terms(
     facts: ModelFacts, layout: Layout, workload: Workload, stage: int, mb: int
 ) -> tuple[float, float, float, float]:
     """(saved activations, recompute working set, working memory, pipeline and TP buffers) of one
-    stage, in bytes."""
-    elem, tp = compute_bytes(layout), layout.tp
+    stage, in bytes: each cp rank's cut of the sequences (1/cp), the logits whole."""
+    elem, tp, cut = compute_bytes(layout), layout.tp, 1 / layout.cp
     n_layers, first, last = held(layout, stage, facts.layers)
     per_layer = facts.saved_layer.per_rank(elem, tp)
     ends = 0.0
@@ -339,12 +349,13 @@ def _activation_terms(
     else:
         per_mb, recompute = ends + n_layers * per_layer, 0.0
     n_alive = alive(layout, stage)
-    saved = per_mb * mb * n_alive
-    boundary = mb * workload.seq_len * facts.hidden * elem  # one activation crossing a boundary
+    saved = per_mb * mb * n_alive * cut
+    recompute *= cut
+    boundary = mb * workload.seq_len * facts.hidden * elem * cut  # one activation crossing a boundary
     working = 2 * boundary  # the gradient of a layer's output and of its input, in backward
     if last:
         logits = mb * facts.logits_elements / tp
-        working += logits * elem * n_alive + logits * 4  # held logits; their fp32 gradient
+        working += logits * elem * n_alive + logits * 4 * cut  # held logits (whole); their fp32 gradient
     comm = 0.0
     if layout.pp > 1:
         comm += 2 * boundary * n_alive  # received input, sent output

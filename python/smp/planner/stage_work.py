@@ -17,6 +17,10 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   many, as measured on Hugging Face GPT-2 and Llama blocks).
 - Checkpointed layers run their forward once more in the backward (matmuls, kernels and TP
   collectives).
+- Context parallelism (cp = C): every rank runs 1/C of each sequence's tokens, so its matmuls,
+  memory-bound kernels and TP collectives are those of mb x seq / C tokens, and attention's
+  quadratic part is 1/C too (the load-balanced cut gives each rank 1/C of the score blocks). cp's
+  own traffic around attention is context_costs.py's.
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
   gradient twice backward (attention and MLP), and the embedding's output and the head's input
   gradient once each; nothing overlaps them.
@@ -82,7 +86,7 @@ def rank_work(
     backward = bwd_layer * layers
     if layout.checkpoint_group:
         backward = backward + fwd_layer * layers  # the recomputed forward
-    tokens = mb * workload.seq_len
+    tokens = rank_tokens(layout, workload, mb)
     boundary = tokens * facts.hidden * compute_bytes(layout)
     tp_group = kernels.Group(layout.tp, 1)
     tp_one = kernels.all_reduce(hw, boundary, tp_group, workload.gpus_per_node, workload.gpus)
@@ -97,16 +101,21 @@ def rank_work(
     return RankWork(rank, forward, backward)
 
 
+def rank_tokens(layout: Layout, workload: Workload, mb: int) -> int:
+    """Tokens of one microbatch a rank computes: its cp cut of mb sequences."""
+    return mb * workload.seq_len // layout.cp
+
+
 def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int) -> tuple[Pass, Pass]:
     """(forward, backward) of one layer for one microbatch, recompute not included."""
     dtype, tp = dtype_of(layout), layout.tp
-    tokens = mb * workload.seq_len
+    tokens = rank_tokens(layout, workload, mb)
     fwd = bwd = 0.0
     for matrix in facts.matmuls:
         k, n = matrix.per_rank(tp)
         fwd += kernels.matmul(hw, dtype, tokens, n, k)
         bwd += kernels.matmul(hw, dtype, tokens, k, n) + kernels.matmul(hw, dtype, k, n, tokens)
-    attn_f, attn_b = _attention(facts, layout, workload, hw, mb)
+    attn_f, attn_b = attention(facts, layout, workload, hw, mb)
     boundary = tokens * facts.hidden * compute_bytes(layout)
     group = kernels.Group(tp, 1)
     two = 2 * kernels.all_reduce(hw, boundary, group, workload.gpus_per_node, workload.gpus)
@@ -114,7 +123,7 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
     if facts.layer_traffic:  # measured on the module, in its 4-byte floats; cut as the saved bytes
         elem, saved = compute_bytes(layout), facts.saved_layer
         share = saved.per_rank(elem, tp) / max(saved.per_rank(elem, 1), 1.0)
-        nbytes = facts.layer_traffic * elem / 4 * share * mb
+        nbytes = facts.layer_traffic * elem / 4 * share * mb / layout.cp
         f_mem = kernels.memory_pass(hw, nbytes, ops)
         b_mem = kernels.memory_pass(hw, BACKWARD_TRAFFIC / FORWARD_TRAFFIC * nbytes, ops * BACKWARD_OPS)
         return Pass(fwd + attn_f, f_mem, two), Pass(bwd + attn_b, b_mem, two)
@@ -124,20 +133,22 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
     return forward, backward
 
 
-def _attention(
+def attention(
     facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of the scores and context matmuls, every head of the rank."""
+    """(forward, backward) seconds of the scores and context matmuls, every head of the rank (its
+    rows of the scores under cp: 1/cp of them)."""
     seq, dtype = workload.seq_len, dtype_of(layout)
+    rows = seq // layout.cp
     head_dim = facts.head_dim or facts.hidden // facts.heads
     batch = mb * max(1, facts.heads // layout.tp)
     if facts.eager_attention:
-        scores = kernels.matmul(hw, dtype, seq, seq, head_dim, batch)
-        context = kernels.matmul(hw, dtype, seq, head_dim, seq, batch)
+        scores = kernels.matmul(hw, dtype, rows, seq, head_dim, batch)
+        context = kernels.matmul(hw, dtype, rows, head_dim, seq, batch)
         return scores + context, 2 * (scores + context)
     # Fused: the matmuls' FLOPs at the matmul rate, the scores never leave the chip.
-    flops = 2 * 2.0 * seq * seq * head_dim * batch
-    fused = flops / (hw.peak(dtype) * kernels.wave_efficiency(hw, seq, head_dim, batch))
+    flops = 2 * 2.0 * rows * seq * head_dim * batch
+    fused = flops / (hw.peak(dtype) * kernels.wave_efficiency(hw, rows, head_dim, batch))
     return fused, FUSED_ATTENTION_BACKWARD * fused
 
 
@@ -154,6 +165,6 @@ def _head(facts: ModelFacts, layout: Layout, hw: Hardware, tokens: int) -> tuple
 def _saved_traffic(
     saved, layout: Layout, hw: Hardware, mb: int, backward: bool = False, ops: int = 0
 ) -> Pass:
-    nbytes = saved.per_rank(compute_bytes(layout), layout.tp) * mb
+    nbytes = saved.per_rank(compute_bytes(layout), layout.tp) * mb / layout.cp
     factor, kernels_run = (BACKWARD_TRAFFIC, ops * BACKWARD_OPS) if backward else (FORWARD_TRAFFIC, ops)
     return Pass(memory=kernels.memory_pass(hw, factor * nbytes, kernels_run))

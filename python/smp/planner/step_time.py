@@ -23,10 +23,14 @@ of the data-parallel traffic, and the optimizer:
   sdp group (rdp > N), the fp32 gradient shards are all-reduced over the rdp / N replicas once per
   microbatch (FSDP2 reduces in every backward);
 - the optimizer: memory-bound, over the parameters the rank steps (its chunk where sharded).
+- context parallelism (cp = C): the per-microbatch work above is the rank's 1/C of the tokens
+  (stage_work.py); each layer's exchange around attention is context_costs.py's, its exposed part
+  the "cp_comm" part. Gradients are averaged over the rdp x cp ranks holding the same parameters
+  (sdp: sharded over sdp x cp, replicated over rdp / sdp), and a sharded optimizer state's chunks
+  are 1/(rdp x cp).
 
-Context and expert parallelism (cp, ep) would add terms here: their collectives per layer in
-stage_work.py (cp's key/value exchange around attention, ep's two all-to-alls around the experts)
-and their group's link from kernels.Group; smp has neither yet.
+Expert parallelism (ep) would add its two all-to-alls around the experts in the same way; the
+planner does not count it yet.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ import dataclasses
 import functools
 
 from smp import schedules
+from smp.planner import context_costs, kernels
 from smp.planner import hardware as hardware_
-from smp.planner import kernels
 from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout
 from smp.planner.memory import Workload, compute_bytes, held, microbatch_size, stage_parameters
@@ -66,6 +70,8 @@ class StepTime:
     peak_flops: float  # one GPU's spec peak in the training dtype (for MFU)
     dp_traffic: float = 0.0  # seconds of data-parallel traffic, before overlap
     sdp_traffic: float = 0.0  # seconds of sdp traffic per step, before overlap
+    cp_comm: float = 0.0  # the exposed part of cp's exchanges around attention
+    cp_traffic: float = 0.0  # seconds of cp traffic per step, before overlap
 
     @property
     def compute(self) -> float:
@@ -73,8 +79,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        parts = (self.compute, self.tp_comm, self.pp_comm, self.bubble, self.dp_comm, self.sdp_comm)
-        return sum(parts) + self.optimizer
+        comm = self.tp_comm + self.cp_comm + self.pp_comm + self.dp_comm + self.sdp_comm
+        return self.compute + comm + self.bubble + self.optimizer
 
     @property
     def relative(self) -> float:
@@ -99,6 +105,7 @@ class StepTime:
             "matmul": self.matmul,
             "memory_bound": self.memory,
             "tp_comm": self.tp_comm,
+            "cp_comm": self.cp_comm,
             "pp_comm": self.pp_comm,
             "bubble": self.bubble,
             "dp_comm": self.dp_comm,
@@ -121,7 +128,8 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Run
     message = _pipeline_message(facts, layout, workload, hw, runtime, mb)
     sdp_traffic = sdp_seconds(facts, layout, workload)
     sdp_exposed = _exposed_sdp(sdp_traffic, busiest, facts, layout, hw)
-    per_microbatch = busiest.total + accumulate + message + sdp_exposed
+    cp_traffic, cp_exposed = context_costs.microbatch_seconds(facts, layout, workload, hw, mb, busiest.rank)
+    per_microbatch = busiest.total + accumulate + message + sdp_exposed + cp_exposed
     bubble = bubble_fraction(layout, runtime) * m * per_microbatch
     dp_traffic, dp_exposed = _data_parallel(facts, layout, workload, hw, runtime, busiest)
     flops = model_flops(facts, workload)
@@ -141,6 +149,8 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Run
         peak_flops=hw.peak_tflops[dtype_of(layout)] * 1e12,
         dp_traffic=dp_traffic,
         sdp_traffic=m * sdp_traffic,
+        cp_comm=m * cp_exposed,
+        cp_traffic=m * cp_traffic,
     )
 
 
@@ -188,7 +198,7 @@ def _pipeline_message(
     at each of the rank's model chunks (Megatron's interleaved schedule: v of them)."""
     if layout.pp == 1:
         return 0.0
-    nbytes = mb * workload.seq_len * facts.hidden * compute_bytes(layout)
+    nbytes = mb * workload.seq_len // layout.cp * facts.hidden * compute_bytes(layout)  # the rank's cut
     across = kernels.Group(layout.pp, layout.tp).spans_nodes(workload.gpus_per_node, workload.gpus)
     if runtime.scatter_gather and layout.tp > 1:
         gather = kernels.all_gather(
@@ -208,13 +218,16 @@ def _data_parallel(
     runtime: RuntimeCosts,
     busiest: RankWork,
 ) -> tuple[float, float]:
-    """(seconds of data-parallel traffic, the part of it the step waits for)."""
-    replicas = layout.rdp // layout.sdp
+    """(seconds of data-parallel traffic, the part of it the step waits for). The ranks holding the
+    same parameters are rdp x cp (C right after D: tp x pp apart); sdp shards over blocks of
+    sdp x cp of them, its replicas the rdp / sdp blocks."""
+    shards = layout.sdp * layout.cp if layout.sdp > 1 else 1
+    replicas = layout.dp_cp // shards
     params = max(stage_parameters(facts, layout, r) for r in range(layout.pp))
     per_node, gpus = workload.gpus_per_node, workload.gpus
-    group = kernels.Group(replicas, layout.tp * layout.pp * layout.sdp)
+    group = kernels.Group(replicas, layout.tp * layout.pp * shards)
     if layout.sdp > 1:  # the fp32 shards over the sdp groups' replicas, every microbatch
-        traffic = layout.microbatches * kernels.all_reduce(hw, 4 * params / layout.sdp, group, per_node, gpus)
+        traffic = layout.microbatches * kernels.all_reduce(hw, 4 * params / shards, group, per_node, gpus)
         window = layout.microbatches * busiest.backward.total
         last = traffic / layout.microbatches
     else:
@@ -224,7 +237,7 @@ def _data_parallel(
         last = kernels.all_reduce(hw, min(grads, BUCKET_BYTES), group, per_node, gpus)
     overlapped = runtime.overlapped_average and hw.overlap and replicas > 1
     exposed = max(traffic - window, last) if overlapped else traffic
-    if layout.shard_optimizer_state and layout.rdp > 1:  # each rank's updated chunk, to the others
+    if layout.shard_optimizer_state and layout.dp_cp > 1:  # each rank's updated chunk, to the others
         publish = kernels.all_gather(hw, params * compute_bytes(layout), group, per_node, gpus)
         traffic, exposed = traffic + publish, exposed + publish
     return traffic, exposed
@@ -233,9 +246,9 @@ def _data_parallel(
 def _optimizer(facts: ModelFacts, layout: Layout, hw: Hardware, runtime: RuntimeCosts) -> float:
     params = max(stage_parameters(facts, layout, r) for r in range(layout.pp))
     if layout.sdp > 1:
-        chunk = params / layout.sdp
+        chunk = params / (layout.sdp * layout.cp)
     elif layout.shard_optimizer_state:
-        chunk = params / layout.rdp
+        chunk = params / layout.dp_cp
     else:
         chunk = params
     return kernels.memory_pass(hw, chunk * runtime.optimizer(layout.half))
@@ -250,8 +263,8 @@ def _exposed_sdp(traffic: float, busiest: RankWork, facts: ModelFacts, layout: L
 
 
 def sdp_spans_nodes(layout: Layout, workload: Workload) -> bool:
-    """Whether an sdp group crosses nodes: it spans sdp x pp x tp consecutive ranks (tp fastest)."""
-    group = kernels.Group(layout.sdp, layout.pp * layout.tp)
+    """Whether an sdp group crosses nodes: it spans sdp x cp x pp x tp consecutive ranks (tp fastest)."""
+    group = kernels.Group(layout.sdp * layout.cp, layout.pp * layout.tp)
     return group.spans_nodes(workload.gpus_per_node, workload.gpus)
 
 
@@ -260,7 +273,7 @@ def sdp_seconds(facts: ModelFacts, layout: Layout, workload: Workload) -> float:
     if layout.sdp == 1:
         return 0.0
     hw = hardware_of(workload)
-    group = kernels.Group(layout.sdp, layout.pp * layout.tp)
+    group = kernels.Group(layout.sdp * layout.cp, layout.pp * layout.tp)
     layer = facts.layer.per_rank(layout.tp)
     busiest = 0.0
     for rank in range(layout.pp):

@@ -17,6 +17,13 @@ time (step_time.py). The seed stopped at the first configuration that fits; that
    - tensor parallelism: a power of two (2, 4, 8, ...) at most the GPUs per node, dividing the
      attention heads (and key/value heads), with prescaled_batch on; then sdp over the largest
      TP layout.
+5a. Context parallelism, where the model's state fits but one sequence's activations do not (the
+   layout so far, one sequence per microbatch, does not fit while its parameters, gradients and
+   optimizer state do): cp = 2, 4, ... (C dividing the GPUs left after tp, the sequence dividing
+   into 2C chunks), ring attention ("p2p") and, where the heads per TP rank divide by C, Ulysses
+   ("a2a"); at each degree the replica's batch in one microbatch, then one sequence per
+   microbatch; raised until one fits. Pipeline stages cut the layers, not a layer's activations
+   of a sequence: cp comes before them. Where none fits, the pipeline step carries the largest cp.
 5. Pipeline parallelism across nodes (the largest TP degree from step 4 stays inside a node):
    pp = 2, 4, ...; for each, microbatches from the smallest that fills the pipeline up
    (smaller microbatches, less memory each), then, while none of them fits, fewer
@@ -30,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from smp.planner import memory, step_time
-from smp.planner.layout import Layout, sdp_problem
+from smp.planner.layout import Layout, cp_problem, sdp_problem
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
 
@@ -126,6 +133,7 @@ def walk(facts: ModelFacts, workload: memory.Workload, runtime: memory.Runtime, 
         _sharded_data_parallel,
         _tensor_parallel,
         _sharded_with_tensor_parallel,
+        _context_parallel,
         _pipeline,
         _offload,
     )
@@ -218,7 +226,7 @@ def _tensor_parallel(w: Walk, layout: Layout) -> Layout:
         if why:
             w.notes.append(f"4. tensor parallelism {tp}: skipped ({why})")
         else:
-            best = layout.replace(tp=tp, rdp=w.workload.gpus // tp, prescaled_batch=True)
+            best = layout.replace(tp=tp, rdp=w.workload.gpus // (tp * layout.cp), prescaled_batch=True)
             w.attempt(f"4. tensor parallelism {tp}", best)
         tp *= 2
     return best
@@ -235,8 +243,8 @@ def _tp_unusable(w: Walk, tp: int) -> str:
 
 def _pipeline(w: Walk, layout: Layout) -> Layout:
     last, pp = layout, 2
-    while pp <= w.facts.layers and w.workload.gpus % (pp * layout.tp) == 0:
-        rdp = w.workload.gpus // (pp * layout.tp)
+    while pp <= w.facts.layers and w.workload.gpus % (pp * layout.tp * layout.cp) == 0:
+        rdp = w.workload.gpus // (pp * layout.tp * layout.cp)
         staged = layout.replace(pp=pp, rdp=rdp, prescaled_batch=layout.tp > 1)
         per_replica = w.workload.global_batch // rdp
         choices = [m for m in range(pp, per_replica + 1) if per_replica % m == 0][:MAX_MICROBATCH_CHOICES]
@@ -271,3 +279,59 @@ def _offload(w: Walk, layout: Layout) -> Layout:
     offloaded = layout.replace(offload_activations=True, active_microbatches=None)
     w.attempt("6. offload activations (CUDA)", offloaded)
     return offloaded
+
+
+CP_STEP = "5a. context parallelism"
+CP_COMMS = ("p2p", "a2a")  # the ring (smp's default), then Ulysses where the heads divide
+
+
+def _context_parallel(w: Walk, layout: Layout) -> Layout:
+    """cp where one sequence's activations are what does not fit (see the module's docstring)."""
+    why = _cp_not_needed(w, layout)
+    if why:
+        w.notes.append(f"{CP_STEP}: skipped ({why})")
+        return layout
+    widest, c = layout, 2
+    left = w.workload.gpus // (layout.pp * layout.tp)
+    while c <= left:
+        fitted = False
+        for comm in CP_COMMS:
+            cut = layout.replace(cp=c, cp_comm=comm, rdp=left // c, microbatches=1, active_microbatches=None)
+            why = cp_unusable(w, cut)
+            if why:
+                w.notes.append(f"{CP_STEP} {c} {comm}: skipped ({why})")
+                continue
+            widest = cut if widest.cp < c else widest
+            ok = w.attempt(f"{CP_STEP} {c} {comm}", cut)
+            m = w.workload.global_batch // cut.rdp
+            if not ok and m > 1 and w.workload.global_batch % cut.rdp == 0:
+                step = f"{CP_STEP} {c} {comm}, one sequence per microbatch (m={m})"
+                ok = w.attempt(step, cut.replace(microbatches=m))
+            fitted |= ok
+        if fitted:
+            return layout  # the pipeline step starts from the layout without cp, ranked beside it
+        c *= 2
+    return widest
+
+
+def _cp_not_needed(w: Walk, layout: Layout) -> str:
+    """Why cp is not tried ("" where the model's state fits and one sequence's activations do not)."""
+    per_replica = w.workload.global_batch // layout.rdp
+    one = w.probe(layout.replace(microbatches=max(1, per_replica), active_microbatches=None))
+    if one is None:
+        return "the batch does not split over the replicas"
+    if one.fits:
+        return "one sequence per microbatch fits without it"
+    b = one.breakdown
+    state = b.parameters + b.gradients + b.optimizer_state + b.masters + b.gathered
+    if state * (1 + memory.FRAGMENTATION) + memory.CONTEXT_BYTES > w.workload.gpu_memory:
+        return f"the model's state alone ({state / GiB:.1f} GiB) does not fit: pipeline stages cut it"
+    return ""
+
+
+def cp_unusable(w: Walk, layout: Layout) -> str:
+    """Why `layout`'s cp degree is not proposed ("" where it can be)."""
+    left = w.workload.gpus // (layout.pp * layout.tp)
+    if left % layout.cp:
+        return f"{layout.cp} does not divide the {left} GPUs left after pp x tp"
+    return cp_problem(layout, w.workload.seq_len, w.facts.heads)

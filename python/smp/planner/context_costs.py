@@ -1,0 +1,95 @@
+"""Context parallelism's traffic around attention (docs/context_parallel.md), per layer and
+microbatch, on the link its group crosses.
+
+A cp group is C ranks pp x tp apart (smp's placement puts C right after D: tp fastest, then pp,
+then cp), so kernels.Group(cp, pp * tp) says whether it stays inside a node (NVLink) or crosses
+nodes (the network), as the TP, sdp and data-parallel terms read it. Per layer, forward:
+
+- "p2p" (ring attention): the rank's K and V pass around the ring, C - 1 steps, each while the
+  block in hand is computed: (C - 1) x the rank's K and V bytes, the bytes of an all-gather of
+  them. The backward passes K and V again and their gradients back: twice the forward's. On
+  hardware that communicates beside compute only what outlasts attention's own compute is
+  exposed: max(0, traffic - attention), forward and backward each.
+- "all_gather": K and V gathered inside the op (the ring's bytes), not overlapped; its backward
+  reduce-scatters their gradients (the same bytes again) and gathers them once more: 2x.
+  An eager attention (softmax(QK^T)V written out) is run this way whatever the comm type says.
+- "a2a" (Ulysses): four all-to-alls (q, k and v to heads, the output back to the sequence),
+  each moving (C - 1) / C of the rank's tensor; the backward the same four, reversed. Key/value
+  heads that do not divide by C are repeated until they do. Not overlapped.
+
+A checkpointed layer's recomputed forward exchanges again.
+"""
+
+from __future__ import annotations
+
+import math
+
+from smp.planner import kernels
+from smp.planner.hardware import Hardware
+from smp.planner.layout import Layout
+from smp.planner.memory import Workload, compute_bytes, held
+from smp.planner.model_facts import ModelFacts
+from smp.planner.stage_work import attention, rank_tokens
+
+
+def group(layout: Layout) -> kernels.Group:
+    return kernels.Group(layout.cp, layout.pp * layout.tp)
+
+
+def spans_nodes(layout: Layout, workload: Workload) -> bool:
+    return group(layout).spans_nodes(workload.gpus_per_node, workload.gpus)
+
+
+def comm_of(facts: ModelFacts, layout: Layout) -> str:
+    """The exchange smp runs: an eager attention gathers its keys and values whatever is asked."""
+    return "all_gather" if facts.eager_attention else layout.cp_comm
+
+
+def layer_traffic(
+    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int
+) -> tuple[float, float]:
+    """Seconds of one layer's cp traffic for one microbatch, (forward, backward), before overlap."""
+    c = layout.cp
+    if c == 1:
+        return 0.0, 0.0
+    g, per_node, gpus = group(layout), workload.gpus_per_node, workload.gpus
+    tokens, elem = rank_tokens(layout, workload, mb), compute_bytes(layout)
+    head_dim = facts.head_dim or facts.hidden // facts.heads
+    heads, kv = max(1, facts.heads // layout.tp), max(1, facts.kv_heads // layout.tp)
+    if comm_of(facts, layout) == "a2a":
+        kv = kv if kv % c == 0 else math.lcm(kv, c)
+        # An all-gather of a buffer moves (C - 1) / C of it per rank, as an all-to-all does.
+        nbytes = [tokens * n * head_dim * elem for n in (heads, kv, kv, heads)]
+        one = sum(kernels.all_gather(hw, b, g, per_node, gpus) for b in nbytes)
+        return one, one
+    kv_bytes = 2 * tokens * kv * head_dim * elem  # the rank's K and V
+    forward = kernels.all_gather(hw, c * kv_bytes, g, per_node, gpus)
+    return forward, 2 * forward
+
+
+def layer_exposed(
+    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's cp traffic the compute does not hide, the
+    backward with a checkpointed layer's second exchange."""
+    forward, backward = layer_traffic(facts, layout, workload, hw, mb)
+    if comm_of(facts, layout) == "p2p" and hw.overlap:
+        attn_f, attn_b = attention(facts, layout, workload, hw, mb)
+        forward, backward = max(0.0, forward - attn_f), max(0.0, backward - attn_b)
+    if layout.checkpoint_group:
+        backward += forward
+    return forward, backward
+
+
+def microbatch_seconds(
+    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int, rank: int
+) -> tuple[float, float]:
+    """(traffic, exposed) seconds of one microbatch's cp exchanges on pipeline rank `rank`."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    layers = held(layout, rank, facts.layers)[0]
+    forward, backward = layer_traffic(facts, layout, workload, hw, mb)
+    if layout.checkpoint_group:
+        backward += forward
+    exposed = sum(layer_exposed(facts, layout, workload, hw, mb))
+    return layers * (forward + backward), layers * exposed
