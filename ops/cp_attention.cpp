@@ -140,9 +140,48 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k,
 
 // out [B, H, L, D] and lse [B, H, L] (accType) of the rows against one block,
 // merged into the running (out, lse) of those rows in place.
-void attendAndMerge(const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, const at::Tensor& mask, PairKind kind,
-                    double scale, at::Tensor out, at::Tensor lse) {
+// Whether a pair runs on ATen's fused CPU flash-attention kernel (blocked, no
+// [L, L] scores in memory): float32 on the CPU without a mask, where every
+// row of the pair sees at least one column (a full pair, or a causal diagonal
+// one), so the kernel's log-sum-exp is finite and merges as the blocks' do.
+// Measured: the materialized form made cp=2 1.5-1.7x slower than data
+// parallelism on the same tokens per rank (docs/benchmarks.md, "Context
+// parallelism"). float64 keeps the exact form (the tests' reference), and
+// reduced precision too: the kernel would round each block's output to bf16
+// before the merge.
+bool fused(const at::Tensor& q, const at::Tensor& mask) {
+  return q.device().is_cpu() && q.scalar_type() == at::kFloat &&
+         !mask.defined();
+}
+
+// k or v [B, Hkv, L, D] with each key/value head repeated for its query heads
+// (the fused kernel pairs heads one to one): [B, H, L, D].
+at::Tensor perQueryHead(const at::Tensor& t, int64_t heads) {
+  const int64_t groups = heads / t.size(1);
+  return groups == 1 ? t : t.repeat_interleave(groups, 1);
+}
+
+// The sum over each key/value head's query heads of a [B, H, L, D] gradient.
+at::Tensor perKvHead(const at::Tensor& t, int64_t kv_heads) {
+  if (t.size(1) == kv_heads) {
+    return t;
+  }
+  return t.reshape({t.size(0), kv_heads, -1, t.size(2), t.size(3)}).sum(2);
+}
+
+// One pair's output [B, H, L, D] and log-sum-exp [B, H, L], both in accType.
+std::tuple<at::Tensor, at::Tensor> attendBlock(const at::Tensor& q,
+                                               const at::Tensor& k,
+                                               const at::Tensor& v,
+                                               const at::Tensor& mask,
+                                               PairKind kind, double scale) {
+  if (fused(q, mask)) {
+    const int64_t heads = q.size(1);
+    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+        q, perQueryHead(k, heads), perQueryHead(v, heads), 0.0,
+        kind == PairKind::kDiagonal, std::nullopt, scale);
+    return {o, lse};
+  }
   at::Tensor s = scores(q, k, mask, kind, scale);
   at::Tensor m = s.amax(-1, true);
   m.masked_fill_(m.eq(-kInf), 0.0);  // a row the block wholly masks
@@ -151,7 +190,13 @@ void attendAndMerge(const at::Tensor& q, const at::Tensor& k,
   at::Tensor o =
       ungrouped(grouped(p, k.size(1)).matmul(v.to(accType(v))), q.size(1))
           .div_(l.masked_fill(l.eq(0.0), 1.0));
-  at::Tensor block_lse = m.add_(l.log()).squeeze(-1);  // -inf: nothing seen
+  return {o, m.add_(l.log()).squeeze(-1)};  // lse -inf: nothing seen
+}
+
+void attendAndMerge(const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& mask, PairKind kind,
+                    double scale, at::Tensor out, at::Tensor lse) {
+  auto [o, block_lse] = attendBlock(q, k, v, mask, kind, scale);
   at::Tensor merged = at::logaddexp(lse, block_lse);
   at::Tensor base = merged.masked_fill(merged.eq(-kInf), 0.0);
   at::Tensor keep = (lse - base).exp_().unsqueeze(-1);
@@ -163,12 +208,25 @@ void attendAndMerge(const at::Tensor& q, const at::Tensor& k,
 // Gradients of one block from the final out's log-sum-exp `lse` (+inf where
 // nothing was seen) and delta = rowsum(dout * out): dq of the rows added in
 // place, and dk, dv of the block added in place.
+// With the fused kernel, the pair's gradients come from its backward given
+// the whole output `out` and its final log-sum-exp: its P = exp(S - lse) and
+// delta = rowsum(dout * out) are then the whole attention's, as here.
 void blockBackward(const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& mask, PairKind kind,
-                   double scale, const at::Tensor& dout, const at::Tensor& lse,
-                   const at::Tensor& delta, at::Tensor dq, at::Tensor dk,
-                   at::Tensor dv) {
+                   double scale, const at::Tensor& dout, const at::Tensor& out,
+                   const at::Tensor& lse, const at::Tensor& delta,
+                   at::Tensor dq, at::Tensor dk, at::Tensor dv) {
   const int64_t heads = q.size(1), kv_heads = k.size(1);
+  if (fused(q, mask)) {
+    auto [dqb, dkb, dvb] =
+        at::_scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, perQueryHead(k, heads), perQueryHead(v, heads), out, lse,
+            0.0, kind == PairKind::kDiagonal, std::nullopt, scale);
+    dq.add_(dqb);
+    dk.add_(perKvHead(dkb, kv_heads));
+    dv.add_(perKvHead(dvb, kv_heads));
+    return;
+  }
   at::Tensor p = scores(q, k, mask, kind, scale).sub_(lse.unsqueeze(-1)).exp_();
   at::Tensor pg = grouped(p, kv_heads);
   at::Tensor dout_g = grouped(dout, kv_heads);
@@ -355,7 +413,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpAttentionBackward(
             [&](int64_t qs, int64_t ks, PairKind kind, const at::Tensor& m) {
               blockBackward(rows(q, qs, c.chunk), rows(kb, ks, c.chunk),
                             rows(vb, ks, c.chunk), m, kind, scale,
-                            rows(dout, qs, c.chunk),
+                            rows(dout, qs, c.chunk), rows(out, qs, c.chunk),
                             lse_safe.narrow(2, qs * c.chunk, c.chunk),
                             delta.narrow(2, qs * c.chunk, c.chunk),
                             rows(dq, qs, c.chunk), rows(dk, ks, c.chunk),
