@@ -274,13 +274,13 @@ def _train(rank, world, case, ep, clip, extra=None):
     [
         ("mixtral", 2, 2, None),
         ("mixtral", 4, 2, 0.5),  # clipped by the global norm at every step
-        ("mixtral", 4, 4, None),
+        pytest.param("mixtral", 4, 4, None, marks=pytest.mark.slow),
         ("mixtral_skewed", 2, 2, None),
         ("qwen2_moe", 2, 2, None),
-        ("qwen2_moe", 4, 4, None),
+        pytest.param("qwen2_moe", 4, 4, None, marks=pytest.mark.slow),
         ("qwen3_moe", 2, 2, None),
         ("olmoe", 2, 2, None),
-        ("olmoe", 4, 4, None),
+        pytest.param("olmoe", 4, 4, None, marks=pytest.mark.slow),
         ("deepseek_v3", 2, 2, None),
     ],
 )
