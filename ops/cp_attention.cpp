@@ -97,6 +97,30 @@ bool hidden(const at::Tensor& mask) {
   return !open.any().item<bool>();
 }
 
+// A mask block that says no more than the pair's kind: dropped (undefined),
+// the pair then causal where the block is exactly the causal triangle. A
+// captured graph of a Hugging Face model holds the causal mask materialized
+// (transformers builds it whenever it is traced, where eagerly it passes
+// is_causal), so without this every pair carried an [L, L] mask and missed
+// the fused kernel. A block with padding or a window stays as it is.
+void simplify(at::Tensor& mask, PairKind& kind) {
+  if (!mask.defined() || mask.scalar_type() != at::kBool) {
+    return;
+  }
+  if (mask.all().item<bool>()) {
+    mask = at::Tensor();
+    return;
+  }
+  const int64_t n = mask.size(-1);
+  if (kind != PairKind::kSkip && mask.size(-2) == n) {
+    at::Tensor below = at::ones({n, n}, mask.options()).tril();
+    if (mask.eq(below).all().item<bool>()) {
+      mask = at::Tensor();
+      kind = PairKind::kDiagonal;
+    }
+  }
+}
+
 // The type the blocks are computed and merged in: float32, or float64 for
 // float64 inputs.
 at::ScalarType accType(const at::Tensor& t) {
@@ -309,15 +333,41 @@ void forEachBlock(const std::string& comm, const std::string& group_name,
   }
 }
 
+// The mask as the call's kind where it says no more than causality: a bool
+// mask that is exactly "column <= row" by the rows' positions (what a traced
+// Hugging Face model materializes for is_causal, see simplify) makes the call
+// causal without a mask, checked once here rather than per pair and pass.
+void causalFromMask(Call& c) {
+  const at::Tensor& m = c.mask;
+  if (!m.defined() || m.scalar_type() != at::kBool || m.dim() < 2 ||
+      m.size(-2) != 2 * c.chunk || m.size(-1) != 2 * c.chunk * c.size) {
+    return;
+  }
+  const at::TensorOptions index = m.options().dtype(at::kLong);
+  at::Tensor rows =
+      at::cat({at::arange(chunkOf(c.rank, 0, c.size) * c.chunk,
+                          (chunkOf(c.rank, 0, c.size) + 1) * c.chunk, index),
+               at::arange(chunkOf(c.rank, 1, c.size) * c.chunk,
+                          (chunkOf(c.rank, 1, c.size) + 1) * c.chunk, index)});
+  at::Tensor causal =
+      at::arange(m.size(-1), index).unsqueeze(0).le(rows.unsqueeze(1));
+  if (m.eq(causal).all().item<bool>()) {
+    c.mask = at::Tensor();
+    c.causal = true;
+  }
+}
+
 Call callOf(const at::Tensor& q, const std::optional<at::Tensor>& mask,
             bool is_causal, double scale, const std::string& group_name) {
-  return Call{q,
-              mask.has_value() ? *mask : at::Tensor(),
-              is_causal,
-              scale,
-              groupRank(group_name),
-              groupSize(group_name),
-              q.size(2) / 2};
+  Call c{q,
+         mask.has_value() ? *mask : at::Tensor(),
+         is_causal,
+         scale,
+         groupRank(group_name),
+         groupSize(group_name),
+         q.size(2) / 2};
+  causalFromMask(c);
+  return c;
 }
 
 void checkArgs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -353,11 +403,12 @@ void forEachPair(const Call& c, int64_t src, Visit&& visit) {
   for (int64_t qs = 0; qs < 2; ++qs) {
     for (int64_t ks = 0; ks < 2; ++ks) {
       const Pair p{qs, ks, src};
-      const PairKind kind = kindOf(c, p);
-      const at::Tensor m = maskBlock(c, p);
+      PairKind kind = kindOf(c, p);
+      at::Tensor m = maskBlock(c, p);
       if (kind == PairKind::kSkip || hidden(m)) {
         continue;
       }
+      simplify(m, kind);
       visit(qs, ks, kind, m);
     }
   }
