@@ -35,10 +35,8 @@ def _train(rank, world_size, case, config):
             {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2},
         ),  # FSDP2 over dp x cp
         ("hf_llama", 2, ({"context_parallel_degree": 2}, {"checkpoint": {"model.layers": "each"}})),
-        pytest.param("hf_gpt2", 4, {"context_parallel_degree": 4}, marks=pytest.mark.slow),
-        pytest.param(
-            "hf_llama", 4, {"context_parallel_degree": 4, "cp_comm_type": "a2a"}, marks=pytest.mark.slow
-        ),
+        ("hf_gpt2", 4, {"context_parallel_degree": 4}),
+        ("hf_llama", 4, {"context_parallel_degree": 4, "cp_comm_type": "a2a"}),
         ("hf_gpt2", 2, {"context_parallel_degree": 2, "compile": {"backend": "aot_eager"}}),
     ],
 )

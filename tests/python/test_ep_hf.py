@@ -274,13 +274,13 @@ def _train(rank, world, case, ep, clip, extra=None):
     [
         ("mixtral", 2, 2, None),
         ("mixtral", 4, 2, 0.5),  # clipped by the global norm at every step
-        pytest.param("mixtral", 4, 4, None, marks=pytest.mark.slow),
+        ("mixtral", 4, 4, None),
         ("mixtral_skewed", 2, 2, None),
         ("qwen2_moe", 2, 2, None),
-        pytest.param("qwen2_moe", 4, 4, None, marks=pytest.mark.slow),
+        ("qwen2_moe", 4, 4, None),
         ("qwen3_moe", 2, 2, None),
         ("olmoe", 2, 2, None),
-        pytest.param("olmoe", 4, 4, None, marks=pytest.mark.slow),
+        ("olmoe", 4, 4, None),
         ("deepseek_v3", 2, 2, None),
     ],
 )
