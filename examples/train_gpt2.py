@@ -261,11 +261,6 @@ def main() -> None:
             f"use --seq-len {fit}"
         )
     global_batch, batch_size, microbatches = sizes(args, world)
-    if args.ep > 1 and args.checkpoint_dir:
-        raise SystemExit(
-            "--checkpoint-dir with --ep: smp's checkpoints do not hold expert-parallel models yet; "
-            "drop --checkpoint-dir (or --ep)"
-        )
     smp.init(
         {
             "pipeline_parallel_degree": args.pp,

@@ -84,7 +84,6 @@ def save_checkpoint(
     returns once the checkpoint is complete and named newest. The next save_checkpoint or
     resume_from_checkpoint waits for it; so must the script before it exits."""
     del translate_if_full  # smp's checkpoints already use the original module's keys
-    _refuse_expert_parallel("save_checkpoint")
     wait_for_checkpoint()
     model = model if model is not None else parallel_state.state().model
     final = os.path.join(path, folders.folder(tag, partial))
@@ -114,19 +113,6 @@ def release_staging() -> None:
     from one background save to the next, which then copies without page faults)."""
     wait_for_checkpoint()
     _staging.release()
-
-
-def _refuse_expert_parallel(what: str) -> None:
-    """Checkpoints do not know expert parallelism's blocks yet: each rank's experts would be written
-    under the full names as if whole."""
-    ep = parallel_state.state().config.expert_parallel_degree
-    if ep > 1:
-        raise NotImplementedError(
-            f"smp: {what} with expert_parallel_degree={ep} is not supported yet (each rank holds only "
-            "its block of the experts); save the full model with smp.save(model.state_dict(), f, "
-            "partial=False) or model.save_pretrained(dir), which gather the experts, and load it with "
-            "model.load_state_dict"
-        )
 
 
 def wait_for_checkpoint() -> None:
@@ -246,8 +232,6 @@ def resume_from_checkpoint(
         if tag is None:
             return None  # a fresh start: nothing saved yet
     folder = os.path.join(path, folders.folder(tag, partial))
-    if partial or not os.path.isfile(folder):  # (a full state_dict file loads: experts are cut)
-        _refuse_expert_parallel("resume_from_checkpoint")
     if not os.path.exists(folder) and os.path.exists(folder + folders.REPLACED):
         folder += folders.REPLACED  # a save of the same tag was killed between its two renames
     if not partial and os.path.isfile(folder):

@@ -388,7 +388,8 @@ class Engine:
     @property
     def state(self) -> model_state.ModelState:
         """The model's state as the original module's, in the layout of now (state dicts, checkpoints)."""
-        return model_state.ModelState(self.module, self.state_keys, self.shard_specs, self.groups)
+        experts = self.plan.experts if self.plan is not None else None
+        return model_state.ModelState(self.module, self.state_keys, self.shard_specs, self.groups, experts)
 
 
 def _run_once(hooks: list[Callable], optimizer) -> None:

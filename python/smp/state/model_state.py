@@ -20,6 +20,8 @@ from smp.groups import ParallelGroups
 from smp.sharded_data import tensors
 from smp.state.sliced import Placement, Slices
 
+EXPERT_BLOCKS = passes.ShardSpec(dim=0)  # an expert bank's experts, a block per rank of the ep group
+
 
 def local_part(
     param: torch.Tensor, full: torch.Tensor, specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
@@ -113,6 +115,7 @@ class StatePlaces:
     tp_rank: int
     rdp_rank: int
     sdp_size: int = 1
+    first_expert_replica: bool = True  # whether this rank writes its block of the experts
 
     def writes(
         self, key: str, placement: Placement, per_replica_chunk: bool = False, rows: bool = False
@@ -120,7 +123,9 @@ class StatePlaces:
         """Whether this rank writes `key`: its lowest stage, every tensor-parallel rank of a sharded
         tensor (tp rank 0 of a replicated one), and the first replica unless each replica holds a
         chunk of its own (sharded optimizer state) or, for `rows` of an sdp-sharded tensor, every
-        rank of the first sdp group."""
+        rank of the first sdp group; a block of experts, the first of the replicas holding it."""
+        if placement.expert:
+            return key in self.stage_writes and self.first_expert_replica
         first = self.rdp_rank < self.sdp_size if rows else self.rdp_rank == 0
         return (
             key in self.stage_writes
@@ -130,13 +135,22 @@ class StatePlaces:
 
 
 def state_places(
-    module: nn.Module, keys: list[str], specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
+    module: nn.Module,
+    keys: list[str],
+    specs: Mapping[int, passes.ShardSpec],
+    groups: ParallelGroups,
+    experts: Any = None,
 ) -> StatePlaces:
-    """This rank's StatePlaces (a collective over the pipeline group: which stage holds which keys)."""
+    """This rank's StatePlaces (a collective over the pipeline group: which stage holds which keys).
+    `experts`: expert parallelism's ExpertPlacement, whose blocks sit along dim 0 of each bank."""
     order = {k: i for i, k in enumerate(keys)}
     entries, names, placements = [], {}, {}
     for key, t in module.state_dict(keep_vars=True).items():
-        placement = Placement.of(t.shape, specs.get(id(t)), groups.tp_rank, groups.tp_size)
+        if experts is not None and experts.holds(t):
+            placement = Placement.of(t.shape, EXPERT_BLOCKS, experts.rank, experts.degree)
+            placement = dataclasses.replace(placement, expert=True)
+        else:
+            placement = Placement.of(t.shape, specs.get(id(t)), groups.tp_rank, groups.tp_size)
         start = tensors.flat_start(t) if tensors.is_sharded(t) else None
         entries.append((key, tensors.local(t), placement, start))
         placements[id(t)] = placement
@@ -153,8 +167,16 @@ def state_places(
         for k in stage_keys:
             first.setdefault(k, stage)
     writes = frozenset(k for k in mine if first[k] == groups.pp_rank)
+    replicas = groups.ep_replica_ranks or (groups.rank,)
     return StatePlaces(
-        tuple(entries), names, placements, writes, groups.tp_rank, groups.rdp_rank, groups.sdp_size
+        tuple(entries),
+        names,
+        placements,
+        writes,
+        groups.tp_rank,
+        groups.rdp_rank,
+        groups.sdp_size,
+        first_expert_replica=groups.rank == min(replicas),
     )
 
 
@@ -182,6 +204,7 @@ class ModelState:
     keys: list[str]
     specs: Mapping[int, passes.ShardSpec]
     groups: ParallelGroups
+    experts: Any = None  # expert parallelism's ExpertPlacement, if the model has one
 
     def full(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.module, self.keys, self.specs, self.groups)
@@ -194,4 +217,4 @@ class ModelState:
 
     def places(self) -> StatePlaces:
         """Where this rank's tensors sit in the original model (a collective over the pipeline group)."""
-        return state_places(self.module, self.keys, self.specs, self.groups)
+        return state_places(self.module, self.keys, self.specs, self.groups, self.experts)

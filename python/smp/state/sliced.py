@@ -35,12 +35,15 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How a rank's local tensor sits in the global one: whole, or its tensor-parallel shard."""
+    """How a rank's local tensor sits in the global one: whole, or its shard over a group (of
+    tensor parallelism, or with `expert`, the ep group's block of experts: tp_rank and tp_size are
+    then the rank in that group and its size)."""
 
     global_shape: tuple[int, ...]
     spec: passes.ShardSpec | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    expert: bool = False
 
     @staticmethod
     def of(local_shape, spec: passes.ShardSpec | None, tp_rank: int, tp_size: int) -> Placement:
