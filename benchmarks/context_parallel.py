@@ -1,30 +1,31 @@
-"""Context parallelism: smp's cp=2 (each comm type) against data parallelism on the same 2 ranks.
+"""Context parallelism: smp's cp=C (each comm type) against data parallelism on the same C ranks.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/context_parallel.py [--seq 1024] [--json FILE]
+    torchrun --standalone --nproc_per_node=C benchmarks/context_parallel.py [--seq 1024] [--json FILE]
 
 (with the package installed, or PYTHONPATH=python from the repository root)
 
 The model is Hugging Face's Llama as transformers builds it (grouped-query attention, rotary
-positions, sdpa), unmodified, from a small config. Two processes; each layout trains its own copy
+positions, sdpa), unmodified, from a small config. C processes (C = 2 or 4); each layout trains its own copy
 (same seed, same weights, same global batches of `--batch` sequences), one after the other (each
 needs its own smp.init). Every layout gives each rank the same number of tokens per step:
 
-  cp2-p2p, cp2-all_gather, cp2-a2a   context_parallel_degree=2: both ranks read the whole batch,
-        each runs half of every sequence (chunks r and 3-r of 4); attention across the ranks by
+  cpC-p2p, cpC-all_gather, cpC-a2a   context_parallel_degree=C: every rank reads the whole batch,
+        each runs 1/C of every sequence (chunks r and 2C-1-r of 2C); attention across the ranks by
         cp_comm_type (ring; gathered keys and values; Ulysses all-to-all).
-  dp2   plain data parallelism: each rank the whole sequence of half the batch.
+  dpC   plain data parallelism: each rank the whole sequences of 1/C of the batch.
 
 The layouts run in turn, --rounds times over (neighbours in time share the machine's drifts).
 Reported per layout: the median step time (the slower rank's), the median over rounds of its
-ratio to dp2's in the same round, the peak bytes
-one rank saves for backward (smp's own counter), and the losses' largest relative gap to dp2's
-(each layout's loss is the global batch's).
+ratio to dpC's in the same round, the peak bytes one rank saves for backward (and that as a share
+of one process's on the whole batch: C x dpC's per rank, activations being linear in the batch),
+and the losses' largest relative gap to dpC's (each layout's loss is the global batch's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -32,12 +33,14 @@ import smp
 import torch
 import torch.distributed as dist
 
-LAYOUTS = {
-    "cp2-p2p": {"context_parallel_degree": 2, "cp_comm_type": "p2p"},
-    "cp2-all_gather": {"context_parallel_degree": 2, "cp_comm_type": "all_gather"},
-    "cp2-a2a": {"context_parallel_degree": 2, "cp_comm_type": "a2a"},
-    "dp2": {},
-}
+COMMS = ("p2p", "all_gather", "a2a")
+
+
+def layouts(world: int) -> dict[str, dict]:
+    cp = {f"cp{world}-{c}": {"context_parallel_degree": world, "cp_comm_type": c} for c in COMMS}
+    return cp | {f"dp{world}": {}}
+
+
 LR = 1e-3
 
 
@@ -65,7 +68,7 @@ def batch(step: int, args) -> torch.Tensor:
 
 
 def run_layout(name: str, args) -> dict:
-    config = LAYOUTS[name]
+    config = layouts(int(os.environ["WORLD_SIZE"]))[name]
     smp.init(config)
     dmodel = smp.DistributedModel(build(args))
     opt = smp.DistributedOptimizer(torch.optim.AdamW(dmodel.parameters(), lr=LR))
@@ -99,7 +102,7 @@ def run_layout(name: str, args) -> dict:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(took.item())
     # Bytes saved for backward, in one more step (counting costs host time): smp's counter for a
-    # captured model (cp), autograd's hooks for one that runs whole on the caller's thread (dp2).
+    # captured model (cp), autograd's hooks for one that runs whole on the caller's thread (dp).
     dmodel.track_saved_activations()
     packed = {}
 
@@ -120,12 +123,16 @@ def _parameter_bytes(dmodel) -> int:
 
 
 def report(r: dict) -> None:
+    dp = r["dp"]
     print(f"Llama {r['config']}")
-    print(f"{'layout':<15} {'median step':>12} {'vs dp2':>7} {'saved MiB/rank':>15} {'loss gap':>9}")
+    print(
+        f"{'layout':<15} {'median step':>12} {'vs ' + dp:>7} {'saved MiB/rank':>15} "
+        f"{'of one process':>15} {'loss gap':>9}"
+    )
     for name, x in r["layouts"].items():
         print(
-            f"{name:<15} {x['median_s'] * 1e3:>10.1f}ms {x['vs_dp2']:>6.2f}x "
-            f"{x['saved_peak'] / 2**20:>15.2f} {x['loss_gap']:>9.1e}"
+            f"{name:<15} {x['median_s'] * 1e3:>10.1f}ms {x['vs_dp']:>6.2f}x "
+            f"{x['saved_peak'] / 2**20:>15.2f} {x['of_one_process']:>14.3f}x {x['loss_gap']:>9.1e}"
         )
 
 
@@ -135,7 +142,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per step, over both ranks")
+    parser.add_argument("--batch", type=int, default=0, help="sequences per step (default: C)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
@@ -143,27 +150,28 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--json", help="rank 0 also writes the results to this file")
     args = parser.parse_args()
+    args.batch = args.batch or int(os.environ.get("WORLD_SIZE", "2"))
     torch.set_num_threads(1)  # two processes share the machine's cores
-    rounds = [{name: run_layout(name, args) for name in LAYOUTS} for _ in range(args.rounds)]
-    layouts = {}
-    for name in LAYOUTS:
+    names = layouts(int(os.environ["WORLD_SIZE"]))
+    dp = next(n for n in names if n.startswith("dp"))
+    rounds = [{name: run_layout(name, args) for name in names} for _ in range(args.rounds)]
+    per_rank_one = int(os.environ["WORLD_SIZE"]) * rounds[0][dp]["saved_peak"]  # one process, whole batch
+    out = {}
+    for name in names:
         runs = [r[name] for r in rounds]
-        layouts[name] = {
+        ratios = [x["median_s"] / r[dp]["median_s"] for x, r in zip(runs, rounds, strict=True)]
+        out[name] = {
             "median_s": statistics.median(x["median_s"] for x in runs),
-            "vs_dp2": statistics.median(
-                x["median_s"] / r["dp2"]["median_s"] for x, r in zip(runs, rounds, strict=True)
-            ),
-            "rounds_vs_dp2": [
-                x["median_s"] / r["dp2"]["median_s"] for x, r in zip(runs, rounds, strict=True)
-            ],
+            "vs_dp": statistics.median(ratios),
+            "rounds_vs_dp": ratios,
             "saved_peak": runs[0]["saved_peak"],
+            "of_one_process": runs[0]["saved_peak"] / per_rank_one,
             "losses": runs[0]["losses"],
             "loss_gap": max(
-                abs(a - b) / abs(b)
-                for a, b in zip(runs[0]["losses"], rounds[0]["dp2"]["losses"], strict=True)
+                abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], rounds[0][dp]["losses"], strict=True)
             ),
         }
-    result = {"config": vars(args), "layouts": layouts}
+    result = {"config": vars(args), "dp": dp, "layouts": out}
     if dist.get_rank() == 0:
         report(result)
         if args.json:
