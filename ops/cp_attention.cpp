@@ -39,6 +39,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// "local": this rank's whole sequence alone, no group (what Ulysses attends
+// to after its all-to-all): the same fused kernel and mask simplification.
+const char* const kLocal = "local";
 constexpr int kKvTag = 7001;    // keys and values around the ring
 constexpr int kGradTag = 7002;  // their gradients, in flight at the same time
 
@@ -306,6 +309,10 @@ Exchange startExchange(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
 template <typename Visit>
 void forEachBlock(const std::string& comm, const std::string& group_name,
                   const at::Tensor& k, const at::Tensor& v, Visit&& visit) {
+  if (comm == kLocal) {
+    visit(0, k, v);
+    return;
+  }
   auto pg = c10d::resolve_process_group(group_name);
   const int64_t rank = pg->getRank(), size = pg->getSize();
   if (comm == "all_gather") {
@@ -358,13 +365,15 @@ void causalFromMask(Call& c) {
 }
 
 Call callOf(const at::Tensor& q, const std::optional<at::Tensor>& mask,
-            bool is_causal, double scale, const std::string& group_name) {
+            bool is_causal, double scale, const std::string& comm,
+            const std::string& group_name) {
+  const bool local = comm == kLocal;
   Call c{q,
          mask.has_value() ? *mask : at::Tensor(),
          is_causal,
          scale,
-         groupRank(group_name),
-         groupSize(group_name),
+         local ? 0 : groupRank(group_name),
+         local ? 1 : groupSize(group_name),
          q.size(2) / 2};
   causalFromMask(c);
   return c;
@@ -386,8 +395,9 @@ void checkArgs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               " key/value heads do not divide the ", q.size(1), " query heads");
   TORCH_CHECK(q.size(2) % 2 == 0, op, ": this rank's sequence (", q.size(2),
               ") is not two segments of equal length");
-  TORCH_CHECK(comm == "p2p" || comm == "all_gather", op,
-              ": comm must be 'p2p' or 'all_gather', got '", comm, "'");
+  TORCH_CHECK(comm == "p2p" || comm == "all_gather" || comm == kLocal, op,
+              ": comm must be 'p2p', 'all_gather' or 'local', got '", comm,
+              "'");
   TORCH_CHECK(!mask.has_value() || !mask->requires_grad(), op,
               ": the mask must not require a gradient");
 }
@@ -419,7 +429,7 @@ std::tuple<at::Tensor, at::Tensor> cpAttentionForward(
     const std::optional<at::Tensor>& mask, bool is_causal, double scale,
     const std::string& comm, const std::string& group_name) {
   checkArgs(q, k, v, mask, comm);
-  const Call c = callOf(q, mask, is_causal, scale, group_name);
+  const Call c = callOf(q, mask, is_causal, scale, comm, group_name);
   at::Tensor out = at::zeros(q.sizes(), q.options().dtype(accType(q)));
   at::Tensor lse = at::full({q.size(0), q.size(1), q.size(2)}, -kInf,
                             q.options().dtype(accType(q)));
@@ -444,12 +454,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpAttentionBackward(
     const at::Tensor& out, const at::Tensor& lse, bool is_causal, double scale,
     const std::string& comm, const std::string& group_name) {
   checkArgs(q, k, v, mask, comm);
-  const Call c = callOf(q, mask, is_causal, scale, group_name);
+  const Call c = callOf(q, mask, is_causal, scale, comm, group_name);
   at::Tensor dout = grad_out.to(accType(q));
   at::Tensor delta = dout.mul(out.to(accType(q))).sum(-1);
   at::Tensor lse_safe = lse.masked_fill(lse.eq(-kInf), kInf);  // p = 0 there
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(accType(q)));
-  auto pg = c10d::resolve_process_group(group_name);
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  if (comm == "p2p" && c.size > 1) {
+    pg = c10d::resolve_process_group(group_name);
+  }
   const at::TensorOptions acc = k.options().dtype(accType(k));
   std::vector<at::Tensor> gathered_dk, gathered_dv;  // all_gather: by source
   Exchange carried;  // p2p: the gradients of the block in hand, in flight

@@ -7,7 +7,8 @@ chunk 2C-1-r (under causal attention every rank then has the same work). The ops
 * ``cp_attention(q, k, v, mask, is_causal, scale, comm, group)``: attention of this rank's query
   rows over the whole sequence's keys and values, which never exist whole outside the op:
   ``"p2p"`` passes them around the ring, the next block in flight while one is computed (ring
-  attention), ``"all_gather"`` gathers them inside the op. Blocks are merged by their
+  attention), ``"all_gather"`` gathers them inside the op, ``"local"`` attends over this rank's
+  rows alone, no group (Ulysses after its all-to-all). Blocks are merged by their
   log-sum-exps (the online softmax). q ``[B, H, L, D]``, k/v ``[B, Hkv, L, D]`` (Hkv divides H);
   the mask (bool, true: attend, or additive) covers this rank's rows against all columns.
   The backward sends each block's key/value gradients home.
@@ -82,7 +83,9 @@ def _check_attention(q: Tensor, k: Tensor, v: Tensor, comm: str) -> None:
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: f"{op}: q, k, v must be [B, H, L, D]")
     torch._check(k.shape == v.shape, lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: f"{op}: kv heads do not divide the query heads")
-    torch._check(comm in ("p2p", "all_gather"), lambda: f"{op}: comm must be 'p2p' or 'all_gather'")
+    torch._check(
+        comm in ("p2p", "all_gather", "local"), lambda: f"{op}: comm must be 'p2p', 'all_gather' or 'local'"
+    )
 
 
 @torch.library.register_fake("smp::cp_attention")

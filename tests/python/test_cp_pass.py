@@ -79,7 +79,11 @@ def check_pass(rank, world, case, comm):
         n
         for n in captured.graph_module.graph.nodes
         if n.target in (torch.ops.smp.cp_attention.default, torch.ops.smp.cp_to_heads.default)
+        and "local" not in n.args  # (a2a's attention after the all-to-all: whole sequence, 1/C heads)
     ]
+    local = [n for n in captured.graph_module.graph.nodes if "local" in n.args]
+    assert len(local) == (layers if comm == "a2a" else 0), local
+    assert all(n.args[0].meta["val"].shape[2] == hf_cases.SEQ for n in local)
     if case == "gpt2_eager":  # the scores: this rank's rows against every column
         attention = [
             n

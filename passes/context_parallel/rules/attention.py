@@ -49,7 +49,7 @@ def sdpa(rw, node) -> Plan | None:
         return None
     scale = a["scale"] if a["scale"] is not None else val(q).shape[-1] ** -0.5
     if rw.comm == "a2a":
-        emit = _ulysses(rw, node, a)
+        emit = _ulysses(rw, node, a, scale)
     elif a["dropout_p"] > 0:
         emit = _gathered(rw, node, a, scale)
     else:
@@ -68,7 +68,7 @@ def _fused(rw, node, a, scale):
     return emit
 
 
-def _ulysses(rw, node, a):
+def _ulysses(rw, node, a, scale):
     heads, kv_heads, size = val(a["query"]).shape[1], val(a["key"]).shape[1], rw.seq.size
     if heads % size:
         raise ContextParallelError(
@@ -97,8 +97,16 @@ def _ulysses(rw, node, a):
         if mask is not None and val(a["attn_mask"]).dim() == 4 and val(a["attn_mask"]).shape[1] == heads:
             per = heads // size
             mask = r.emit(aten.slice.Tensor, (mask, 1, r.seq.rank * per, (r.seq.rank + 1) * per), origin=node)
-        kwargs = {"dropout_p": a["dropout_p"], "is_causal": a["is_causal"]} | _scale_kw(a)
-        out = r.emit(aten.scaled_dot_product_attention.default, (*parts, mask), kwargs, origin=node)
+        if a["dropout_p"] > 0:
+            kwargs = {"dropout_p": a["dropout_p"], "is_causal": a["is_causal"]} | _scale_kw(a)
+            out = r.emit(aten.scaled_dot_product_attention.default, (*parts, mask), kwargs, origin=node)
+        else:
+            # The whole sequence on this rank's heads through cp_attention alone ("local"): a
+            # traced model's materialized causal mask then runs as is_causal on the fused kernel;
+            # handed to sdpa it became a float [B, 1, S, S] mask kept for backward (a2a's
+            # activations were 0.96x one process's at cp=2: docs/benchmarks.md).
+            args = (*parts, mask, bool(a["is_causal"]), float(scale), "local", r.group)
+            out = r.emit(torch.ops.smp.cp_attention.default, args, origin=node)
         r.attention.append(f"{node.name}: all-to-all (a2a), {heads // size} heads per rank")
         return r.emit(torch.ops.smp.cp_to_seq.default, (out, 2, 1, r.group), origin=node)
 
