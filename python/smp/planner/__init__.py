@@ -10,15 +10,16 @@ cluster sizes. The package is `smp.planner` so that `smp.plan` can be the functi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
 from smp.planner import hardware as hardware_
-from smp.planner import memory, model_facts
+from smp.planner import memory, model_facts, model_presets
 from smp.planner.hardware import Hardware
-from smp.planner.layout import Layout, cp_problem, from_config
+from smp.planner.layout import Layout, cp_problem, ep_problem, from_config
 from smp.planner.report import PlanResult
 from smp.planner.units import parse_memory
 from smp.planner.walk import evaluate, walk
@@ -42,7 +43,8 @@ def plan(
 ) -> PlanResult:
     """Plans (or, with `layout`, evaluates) a layout for training `model`.
 
-    model: a Hugging Face config (a path to config.json, a dict, or a PretrainedConfig), or an
+    model: a Hugging Face config (a path to config.json, a dict, or a PretrainedConfig), a preset's
+        name (model_presets.py: "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b"), or an
         nn.Module or a function that builds one (its counts are then measured, see measured_facts).
     seq_len, global_batch: tokens per sample; samples per optimizer step over every GPU.
     gpus, gpus_per_node, gpu_memory: the job; gpu_memory as "40GiB", "80GB" or bytes (both default
@@ -72,7 +74,7 @@ def plan_job(
     if layout is not None:
         candidate = from_config(layout, workload.gpus)
         _check_tp(candidate, facts)
-        problem = cp_problem(candidate, workload.seq_len, facts.heads)
+        problem = cp_problem(candidate, workload.seq_len, facts.heads) or ep_problem(candidate, facts.experts)
         if problem:
             raise ValueError(f"smp.plan: {problem}")
         return PlanResult(facts, workload, runtime, evaluated=evaluate(facts, candidate, workload, chosen))
@@ -113,6 +115,8 @@ def make_workload(
 
 
 def facts_of(model, seq_len: int) -> model_facts.ModelFacts:
+    if isinstance(model, str) and model.lower() in model_presets.MODELS and not os.path.exists(model):
+        return model_facts.from_hf_config(model_presets.MODELS[model.lower()], seq_len)
     if isinstance(model, str):
         return model_facts.from_hf_config(model_facts.load_hf_config(model), seq_len)
     if isinstance(model, Mapping):

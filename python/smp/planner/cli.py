@@ -18,7 +18,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m smp.plan",
         description="Find the fastest smp layout that fits, walking SMP's Best Practices list in order.",
     )
-    p.add_argument("--model", required=True, help="a Hugging Face config.json")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a Hugging Face config.json, or a preset: mixtral-8x7b, olmoe-1b-7b, qwen1.5-moe-a2.7b",
+    )
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="samples per step over every GPU")
     p.add_argument(
@@ -112,7 +116,8 @@ def _scan(args) -> str:
         return json.dumps(scan.to_json(points), indent=1)
     reference = args.gpus or sizes[0]
     lines = [
-        f"model: {facts.parameters / 1e9:.2f}B parameters ({facts.source}); hardware: {args.hardware}; "
+        f"model: {facts.parameters / 1e9:.2f}B parameters{_moe(facts)} ({facts.source}); "
+        f"hardware: {args.hardware}; "
         f"global batch {args.global_batch} at {reference} GPUs, sequence {args.seq_len}",
         "",
         scan.table(points),
@@ -132,3 +137,12 @@ def _layout(text: str | None):
             f"smp.plan: --layout is not valid JSON ({e}): {text!r}; pass an object such as "
             '\'{"pipeline_parallel_degree": 2, "activation_checkpointing": "each"}\''
         ) from e
+
+
+def _moe(facts) -> str:
+    if not facts.experts:
+        return ""
+    return (
+        f", {facts.active_parameters / 1e9:.2f}B per token ({facts.experts} experts, top-{facts.top_k}, "
+        f"{facts.moe_layers} MoE layers)"
+    )

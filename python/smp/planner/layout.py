@@ -20,6 +20,7 @@ RDP_KEY = "reduced_data_parallel_degree"  # optional: checked against gpus / (pp
 SDP_KEY = "sharded_data_parallel_degree"
 CP_KEY, CP_COMM_KEY = "context_parallel_degree", "cp_comm_type"
 CP_COMMS = ("p2p", "all_gather", "a2a")
+EP_KEY = "expert_parallel_degree"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Layout:
     shard_gradients: bool | None = None  # the config key; see gradient_sharding
     cp: int = 1  # context parallelism: ranks cutting every sequence (they share one batch)
     cp_comm: str = "p2p"  # "p2p" (ring attention), "all_gather" or "a2a" (Ulysses)
+    ep: int = 1  # expert parallelism: data replicas dividing every MoE layer's experts (divides rdp)
 
     @property
     def world(self) -> int:
@@ -97,6 +99,7 @@ class Layout:
             "tensor_parallel_degree": self.tp,
             CP_KEY: self.cp,
             CP_COMM_KEY: self.cp_comm,
+            EP_KEY: self.ep,
             "microbatches": self.microbatches,
             "active_microbatches": self.active,
             "pipeline": self.pipeline,
@@ -119,6 +122,8 @@ class Layout:
         parts = [f"pp={self.pp}", f"tp={self.tp}", f"rdp={self.rdp}"]
         if self.cp > 1:
             parts.insert(2, f"cp={self.cp} {self.cp_comm}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.sdp > 1:
             parts.append(f"sdp={self.sdp}")
         if self.shard_optimizer_state:
@@ -189,8 +194,9 @@ def from_config(config: Mapping[str, Any], gpus: int) -> Layout:
         shard_gradients=parsed.shard_gradients,
         cp=cp,
         cp_comm=parsed.cp_comm_type,
+        ep=parsed.expert_parallel_degree,
     )
-    problem = sdp_problem(layout)
+    problem = sdp_problem(layout) or ep_problem(layout)
     if problem:
         raise ValueError(f"smp.plan: {problem}")
     return layout
@@ -222,6 +228,35 @@ def sdp_problem(layout: Layout) -> str:
         return (
             f"{SDP_KEY} {n} with pipeline '{layout.pipeline}': its weight gradients come after FSDP2 "
             "reduce-scatters them; use pipeline 'interleaved' or 'simple'"
+        )
+    return ""
+
+
+def ep_problem(layout: Layout, experts: int | None = None) -> str:
+    """Why `layout`'s expert parallel degree cannot run ("" where it can), with the fix: ep blocks
+    of data replicas divide every MoE layer's `experts` (None: not checked) among them. smp.init
+    refuses ep with pp, tp, cp, a sharded optimizer state and compile (smp.config says so for an
+    explicit layout); sdp is the planner's own key, checked here."""
+    e = layout.ep
+    if e == 1:
+        return ""
+    if layout.rdp % e:
+        divisors = [d for d in range(1, layout.rdp + 1) if layout.rdp % d == 0]
+        return (
+            f"{EP_KEY} {e} does not divide the reduced data parallel degree {layout.rdp}; choose one of "
+            f"{divisors}"
+        )
+    if layout.sdp > 1:
+        return (
+            f"{EP_KEY} {e} runs with data parallelism only so far, not with {SDP_KEY} {layout.sdp}; set "
+            f"{EP_KEY} to 1 for this layout, or {SDP_KEY} to 1 (docs/expert_parallel.md)"
+        )
+    if experts == 0:
+        return f"{EP_KEY} {e}: the model has no experts (not a mixture of experts); set it to 1"
+    if experts and experts % e:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0 and layout.rdp % d == 0]
+        return (
+            f"{EP_KEY} {e} does not divide the model's {experts} experts per layer; choose one of {divisors}"
         )
     return ""
 

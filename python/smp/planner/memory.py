@@ -31,6 +31,11 @@ activation term (saved, recomputed, working, pipeline and TP buffers) is 1/C of 
 logits, which leave the model whole (their fp32 gradient is the rank's cut). Parameters are whole on
 every cp rank; what is sharded over the data replicas (the optimizer state and ZeRO-2 gradients,
 sdp's shards) is sharded over their cp ranks too: rdp x cp ranks (sdp: sdp x cp).
+Expert parallelism (ep = N, a mixture of experts): each rank holds E/N whole experts of every MoE
+layer, so the experts' parameters, fp32 gradients, masters and optimizer state are 1/N (the rest as
+above, replicated); an ep layout's all-to-all keeps a send and a receive buffer of top_k x tokens x
+hidden (one MoE layer's dispatch) beside the saved activations, which hold the dispatched tokens
+(model_facts / moe_facts: top_k x hidden per token and MoE layer) at any ep.
 SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
 bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
 The peak is parameters + optimizer state + the larger of the backward (gradients being
@@ -165,10 +170,11 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Run
 
 
 def stage_parameters(facts: ModelFacts, layout: Layout, stage: int) -> float:
-    """Parameters pipeline rank `stage`'s ranks hold each (tensor-parallel shards counted as shards)."""
+    """Parameters pipeline rank `stage`'s ranks hold each (tensor-parallel shards counted as shards,
+    E/ep of each MoE layer's experts)."""
     tp = layout.tp
     layers, first, last = held(layout, stage, facts.layers)
-    n = layers * facts.layer.per_rank(tp)
+    n = layers * facts.layer_per_rank(tp, layout.ep)
     if first:
         n += facts.before.per_rank(tp)
     if last:
@@ -176,6 +182,11 @@ def stage_parameters(facts: ModelFacts, layout: Layout, stage: int) -> float:
         if not first:
             n += facts.tied.per_rank(tp)  # the shared weight's replica on the last stage
     return n
+
+
+def stage_experts(facts: ModelFacts, layout: Layout, stage: int) -> float:
+    """The routed experts' part of stage_parameters: E/ep experts of each MoE layer held."""
+    return held(layout, stage, facts.layers)[0] * facts.layer_experts(layout.tp, layout.ep)
 
 
 def _stage(
@@ -282,7 +293,7 @@ def sdp_live_layers(facts: ModelFacts, layout: Layout, stage: int) -> float:
     """The layers gathered at once (the one computing, the one prefetched), in backward with their
     unsharded gradients, both in the compute dtype."""
     live = min(SDP_LIVE_LAYERS, held(layout, stage, facts.layers)[0])
-    return live * facts.layer.per_rank(layout.tp) * 2 * compute_bytes(layout)
+    return live * facts.layer_per_rank(layout.tp, layout.ep) * 2 * compute_bytes(layout)
 
 
 def sdp_root(facts: ModelFacts, layout: Layout, stage: int) -> float:
@@ -290,14 +301,14 @@ def sdp_root(facts: ModelFacts, layout: Layout, stage: int) -> float:
     gathered from its forward to the end of the backward, and its unsharded gradient, which is
     reduce-scattered only when the backward ends (the head's is made at its start)."""
     layers = held(layout, stage, facts.layers)[0]
-    root = stage_parameters(facts, layout, stage) - layers * facts.layer.per_rank(layout.tp)
+    root = stage_parameters(facts, layout, stage) - layers * facts.layer_per_rank(layout.tp, layout.ep)
     return root * 2 * compute_bytes(layout)
 
 
 def sdp_reduce_scatter(facts: ModelFacts, layout: Layout) -> float:
     """FSDP2 copies a layer's gradients into one fp32 buffer to reduce-scatter them (the root's is
     reduce-scattered after the backward, when the activations are gone)."""
-    return 4 * facts.layer.per_rank(layout.tp)
+    return 4 * facts.layer_per_rank(layout.tp, layout.ep)
 
 
 def _shards_gradients(layout: Layout, p: float) -> bool:
@@ -361,4 +372,6 @@ def _activation_terms(
         comm += 2 * boundary * n_alive  # received input, sent output
     if tp > 1:
         comm += 2 * boundary  # a collective's input and output
+    if layout.ep > 1 and facts.experts:
+        comm += 2 * facts.top_k * boundary  # one all-to-all's send and receive buffers
     return saved, recompute, working, comm

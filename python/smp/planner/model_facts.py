@@ -17,7 +17,10 @@ biases, dropout. Assumptions, stated once:
   log-softmax;
 - under tensor parallelism every block's matrices, the embedding and the head are sharded
   (the whole model built under smp.tensor_parallelism()); norms and positions stay replicated,
-  and so do the tensors saved outside the sharded matmuls (norm inputs and outputs).
+  and so do the tensors saved outside the sharded matmuls (norm inputs and outputs);
+- a mixture of experts (moe_facts.py: Mixtral, OLMoE, Qwen-MoE keys) keeps E experts per MoE layer
+  and sends each token through top_k of them: the parameters count E experts, the FLOPs and the
+  saved activations top_k. Per-layer figures are the average over the layers (MoE and dense).
 nn.Modules get measured counts instead: see measured_facts.py.
 """
 
@@ -98,6 +101,8 @@ class Matmul:
     k: int
     n: int
     cut: str  # "n" or "k"
+    experts: int = 0  # a routed expert's matrix: E banks, each token through top_k of them
+    share: float = 1.0  # the fraction of the layers that have this matrix (MoE and dense mixed)
 
     def per_rank(self, tp: int) -> tuple[int, int]:
         """(k, n) on one tensor-parallel rank."""
@@ -141,10 +146,38 @@ class ModelFacts:
     # sample, in the module's dtype (4-byte floats), where measured on a module (0: estimated from
     # the saved activations, stage_work.py).
     layer_traffic: float = 0.0
+    # A mixture of experts (0 experts: dense). `layer` then holds what is not a routed expert
+    # (attention, norms, router, shared experts, the dense layers' MLPs: the average per layer);
+    # `expert` is one routed expert's parameters, E of them in each of `moe_layers` layers.
+    experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    expert: Params = Params()
 
     @property
     def parameters(self) -> int:
-        return self.before.total + self.layers * self.layer.total + self.after.total
+        return self.before.total + self.layers * self.layer.total + self.after.total + self.expert_total
+
+    @property
+    def expert_total(self) -> int:
+        """Every routed expert's parameters, over every MoE layer."""
+        return self.moe_layers * self.experts * self.expert.total
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token goes through: top_k experts per MoE layer, not E."""
+        return self.parameters - self.moe_layers * (self.experts - self.top_k) * self.expert.total
+
+    def layer_experts(self, tp: int, ep: int = 1) -> float:
+        """A layer's routed experts' parameters on one rank (the average per layer): E / ep whole
+        experts of every MoE layer, each as its tensor-parallel shard."""
+        if not self.experts:
+            return 0.0
+        return self.moe_layers / self.layers * self.experts / ep * self.expert.per_rank(tp)
+
+    def layer_per_rank(self, tp: int, ep: int = 1) -> float:
+        """A layer's parameters on one rank (the average per layer), its experts included."""
+        return self.layer.per_rank(tp) + self.layer_experts(tp, ep)
 
 
 def load_hf_config(path: str) -> dict[str, Any]:
@@ -252,7 +285,7 @@ def from_hf_config(config: Mapping[str, Any], seq_len: int) -> ModelFacts:
     before = Params(embedding + (s.positions + s.token_types) * h, embedding)
     head = Params(0 if s.tied else embedding, 0 if s.tied else embedding)
     after = Params(head.total + s.norm_params, head.sharded)
-    return ModelFacts(
+    facts = ModelFacts(
         source="Hugging Face config (formula, see smp/planner/model_facts.py)",
         seq_len=seq_len,
         hidden=h,
@@ -276,6 +309,10 @@ def from_hf_config(config: Mapping[str, Any], seq_len: int) -> ModelFacts:
         eager_attention=s.eager_attention,
         layer_ops=LAYER_OPS + (DROPOUT_OPS if s.dropout else 0),
     )
+    from smp.planner import moe_facts  # it builds on this module's types
+
+    moe = moe_facts.read(config, s.layers, s.intermediate)
+    return facts if moe is None else moe_facts.with_experts(facts, s, moe, attn, seq_len)
 
 
 def _matmuls(s: _Shape) -> tuple[Matmul, ...]:

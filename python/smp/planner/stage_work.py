@@ -21,6 +21,12 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   memory-bound kernels and TP collectives are those of mb x seq / C tokens, and attention's
   quadratic part is 1/C too (the load-balanced cut gives each rank 1/C of the score blocks). cp's
   own traffic around attention is context_costs.py's.
+- A mixture of experts: each MoE layer's routed experts' matrices (model_facts.Matmul.experts) run
+  as E/ep grouped matmuls on the rank (its whole experts), each on its share of the top_k x T
+  (token, expert) pairs that reach the rank's experts: top_k x T x ep / E rows each, the router
+  sending evenly. So the compute per token is top_k experts', not E's. A matrix only some layers
+  have (MoE and dense layers mixed) counts for its share of them. ep's all-to-alls are
+  expert_costs.py's.
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
   gradient twice backward (attention and MLP), and the embedding's output and the head's input
   gradient once each; nothing overlaps them.
@@ -113,8 +119,13 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
     fwd = bwd = 0.0
     for matrix in facts.matmuls:
         k, n = matrix.per_rank(tp)
-        fwd += kernels.matmul(hw, dtype, tokens, n, k)
-        bwd += kernels.matmul(hw, dtype, tokens, k, n) + kernels.matmul(hw, dtype, k, n, tokens)
+        rows, banks = tokens, 1
+        if matrix.experts:  # the rank's E/ep experts, each on its share of the pairs
+            banks = max(1, matrix.experts // layout.ep)
+            rows = max(1, round(tokens * facts.top_k / banks))
+        fwd += matrix.share * kernels.matmul(hw, dtype, rows, n, k, banks)
+        backward = kernels.matmul(hw, dtype, rows, k, n, banks) + kernels.matmul(hw, dtype, k, n, rows, banks)
+        bwd += matrix.share * backward
     attn_f, attn_b = attention(facts, layout, workload, hw, mb)
     boundary = tokens * facts.hidden * compute_bytes(layout)
     group = kernels.Group(tp, 1)

@@ -29,8 +29,11 @@ of the data-parallel traffic, and the optimizer:
   (sdp: sharded over sdp x cp, replicated over rdp / sdp), and a sharded optimizer state's chunks
   are 1/(rdp x cp).
 
-Expert parallelism (ep) would add its two all-to-alls around the experts in the same way; the
-planner does not count it yet.
+- expert parallelism (ep, a mixture of experts): the rank's E/ep experts run top_k x tokens
+  (stage_work.py); each MoE layer's dispatch and combine all-to-alls, forward and backward, are
+  expert_costs.py's, not overlapped: the "ep_comm" part. The experts' gradients (1/ep of them) are
+  averaged over the rdp/ep replicas holding the same experts (ep x pp x tp x cp ranks apart), the
+  others over all of rdp.
 """
 
 from __future__ import annotations
@@ -39,11 +42,18 @@ import dataclasses
 import functools
 
 from smp import schedules
-from smp.planner import context_costs, kernels
+from smp.planner import context_costs, expert_costs, kernels
 from smp.planner import hardware as hardware_
 from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout
-from smp.planner.memory import Workload, compute_bytes, held, microbatch_size, stage_parameters
+from smp.planner.memory import (
+    Workload,
+    compute_bytes,
+    held,
+    microbatch_size,
+    stage_experts,
+    stage_parameters,
+)
 from smp.planner.model_facts import ModelFacts
 from smp.planner.runtime_costs import SMP, RuntimeCosts
 from smp.planner.stage_work import RankWork, dtype_of, rank_work
@@ -72,6 +82,7 @@ class StepTime:
     sdp_traffic: float = 0.0  # seconds of sdp traffic per step, before overlap
     cp_comm: float = 0.0  # the exposed part of cp's exchanges around attention
     cp_traffic: float = 0.0  # seconds of cp traffic per step, before overlap
+    ep_comm: float = 0.0  # ep's all-to-alls around the experts (none overlapped)
 
     @property
     def compute(self) -> float:
@@ -79,7 +90,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        comm = self.tp_comm + self.cp_comm + self.pp_comm + self.dp_comm + self.sdp_comm
+        comm = self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.dp_comm + self.sdp_comm
         return self.compute + comm + self.bubble + self.optimizer
 
     @property
@@ -106,6 +117,7 @@ class StepTime:
             "memory_bound": self.memory,
             "tp_comm": self.tp_comm,
             "cp_comm": self.cp_comm,
+            "ep_comm": self.ep_comm,
             "pp_comm": self.pp_comm,
             "bubble": self.bubble,
             "dp_comm": self.dp_comm,
@@ -129,7 +141,8 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Run
     sdp_traffic = sdp_seconds(facts, layout, workload)
     sdp_exposed = _exposed_sdp(sdp_traffic, busiest, facts, layout, hw)
     cp_traffic, cp_exposed = context_costs.microbatch_seconds(facts, layout, workload, hw, mb, busiest.rank)
-    per_microbatch = busiest.total + accumulate + message + sdp_exposed + cp_exposed
+    ep_seconds = expert_costs.microbatch_seconds(facts, layout, workload, hw, mb, busiest.rank)
+    per_microbatch = busiest.total + accumulate + message + sdp_exposed + cp_exposed + ep_seconds
     bubble = bubble_fraction(layout, runtime) * m * per_microbatch
     dp_traffic, dp_exposed = _data_parallel(facts, layout, workload, hw, runtime, busiest)
     flops = model_flops(facts, workload)
@@ -151,6 +164,7 @@ def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: Run
         sdp_traffic=m * sdp_traffic,
         cp_comm=m * cp_exposed,
         cp_traffic=m * cp_traffic,
+        ep_comm=m * ep_seconds,
     )
 
 
@@ -232,7 +246,11 @@ def _data_parallel(
         last = traffic / layout.microbatches
     else:
         grads = params * runtime.averaged(layout.half)
-        traffic = kernels.all_reduce(hw, grads, group, per_node, gpus)
+        experts = max(stage_experts(facts, layout, r) for r in range(layout.pp)) if layout.ep > 1 else 0.0
+        traffic = kernels.all_reduce(hw, grads * (1 - experts / params), group, per_node, gpus)
+        if experts:  # over the replicas holding the same experts, ep blocks apart
+            holders = kernels.Group(replicas // layout.ep, layout.tp * layout.pp * layout.cp * layout.ep)
+            traffic += kernels.all_reduce(hw, grads * experts / params, holders, per_node, gpus)
         window = busiest.backward.total
         last = kernels.all_reduce(hw, min(grads, BUCKET_BYTES), group, per_node, gpus)
     overlapped = runtime.overlapped_average and hw.overlap and replicas > 1
@@ -274,7 +292,7 @@ def sdp_seconds(facts: ModelFacts, layout: Layout, workload: Workload) -> float:
         return 0.0
     hw = hardware_of(workload)
     group = kernels.Group(layout.sdp * layout.cp, layout.pp * layout.tp)
-    layer = facts.layer.per_rank(layout.tp)
+    layer = facts.layer_per_rank(layout.tp, layout.ep)
     busiest = 0.0
     for rank in range(layout.pp):
         layers = held(layout, rank, facts.layers)[0]

@@ -8,6 +8,11 @@ time (step_time.py). The seed stopped at the first configuration that fits; that
 3. Checkpoint activations: every transformer layer ("each"), then two layers per region
    ("group_2": fewer inputs kept, a larger region recomputed). Later steps keep "each", the
    seed's reference choice.
+3a. Expert parallelism, for a mixture of experts whose replicated experts do not fit (the layout
+   so far without a sharded optimizer state, which smp refuses with ep): ep = 2, 4, ... (powers of
+   two dividing rdp and the experts per layer), raised until one fits; each rank holds E/ep of every
+   MoE layer's experts. Before sdp, tensor and pipeline parallelism, which smp refuses with ep: they
+   start from the layout without ep, ranked beside it.
 4. Split the model's state, where SMP's later best practice put sharded data parallelism first:
    - sharded data parallelism (sdp, in place of the sharded optimizer state, checkpointing kept),
      every degree dividing rdp, degrees whose group stays inside a node first, each kind smallest
@@ -37,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 from smp.planner import memory, step_time
-from smp.planner.layout import Layout, cp_problem, sdp_problem
+from smp.planner.layout import Layout, cp_problem, ep_problem, sdp_problem
 from smp.planner.model_facts import ModelFacts
 from smp.planner.units import GiB
 
@@ -130,6 +135,7 @@ def walk(facts: ModelFacts, workload: memory.Workload, runtime: memory.Runtime, 
         _large_gpus,
         _shard,
         _checkpoint,
+        _expert_parallel,
         _sharded_data_parallel,
         _tensor_parallel,
         _sharded_with_tensor_parallel,
@@ -279,6 +285,47 @@ def _offload(w: Walk, layout: Layout) -> Layout:
     offloaded = layout.replace(offload_activations=True, active_microbatches=None)
     w.attempt("6. offload activations (CUDA)", offloaded)
     return offloaded
+
+
+EP_STEP = "3a. expert parallelism"
+
+
+def _expert_parallel(w: Walk, layout: Layout) -> Layout:
+    """ep where the replicated experts do not fit (see the module's docstring); the layout carries
+    on without it."""
+    if not w.facts.experts:
+        return layout  # a dense model: nothing to say
+    base = layout.replace(shard_optimizer_state=False, shard_gradients=None)
+    replicated = w.probe(base)
+    if replicated is not None and replicated.fits:
+        w.notes.append(f"{EP_STEP}: skipped (the experts fit replicated: {replicated.reason})")
+        return layout
+    degrees = ep_degrees(base, w.facts.experts)
+    if not degrees:
+        w.notes.append(
+            f"{EP_STEP}: skipped (no power of two above 1 divides both rdp {base.rdp} and the "
+            f"{w.facts.experts} experts)"
+        )
+        return layout
+    for n in degrees:
+        if w.attempt(f"{EP_STEP} {n}", base.replace(ep=n)):
+            break
+    else:
+        w.notes.append(
+            f"{EP_STEP}: none fits up to ep={degrees[-1]} (smp refuses a sharded optimizer state, sdp, "
+            "tp and pp with ep); the next steps start from the layout without ep"
+        )
+    return layout
+
+
+def ep_degrees(layout: Layout, experts: int) -> list[int]:
+    """The ep degrees the walk tries: powers of two above 1 dividing rdp and the experts."""
+    degrees, n = [], 2
+    while n <= min(layout.rdp, experts):
+        if not ep_problem(layout.replace(ep=n), experts):
+            degrees.append(n)
+        n *= 2
+    return degrees
 
 
 CP_STEP = "5a. context parallelism"

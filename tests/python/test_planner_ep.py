@@ -1,0 +1,218 @@
+"""The planner counts mixtures of experts and expert parallelism (docs/planner.md, "Mixtures of
+experts", docs/expert_parallel.md): E experts' parameters but top_k experts' compute per token, each
+ep rank holding E/ep experts of every MoE layer, the all-to-alls around the experts, and a walk that
+raises ep before tensor and pipeline parallelism (which smp refuses with it)."""
+
+from __future__ import annotations
+
+import pytest
+import smp
+from smp.planner import hardware, kernels, memory, model_facts, model_presets, step_time
+from smp.planner.layout import Layout, from_config
+
+MIXTRAL = model_presets.MIXTRAL_8X7B
+SEQ = 4096
+
+
+def _facts(config=MIXTRAL, seq: int = SEQ):
+    return model_facts.from_hf_config(config, seq)
+
+
+def _workload(gpus: int, batch: int, hw: str = "h200", per_node: int = 8) -> memory.Workload:
+    hw_ = hardware.load(hw)
+    return memory.Workload(SEQ, batch, gpus, min(gpus, per_node), hw_.memory, hw_)
+
+
+def test_mixtral_parameters_count_every_expert_and_tokens_use_top_k():
+    """Mixtral-8x7B: 46.7B parameters, 12.9B of them per token (Mistral AI's figures)."""
+    facts = _facts()
+    assert (facts.experts, facts.top_k, facts.moe_layers) == (8, 2, 32)
+    assert facts.parameters == pytest.approx(46.7e9, rel=0.01)
+    assert facts.active_parameters == pytest.approx(12.9e9, rel=0.01)
+    # The model's FLOPs are those of the active parameters (2 per parameter and token), attention's
+    # scores aside.
+    scores = 4 * SEQ * facts.heads * facts.head_dim
+    matmul_params = (facts.layer_flops_per_token - scores) / 2 * facts.layers
+    assert matmul_params == pytest.approx(facts.active_parameters - 2 * 32000 * 4096, rel=0.01)
+    # The other presets, against their published sizes (total, per token).
+    olmoe = _facts(model_presets.OLMOE_1B_7B)
+    assert (olmoe.parameters, olmoe.active_parameters) == pytest.approx((6.9e9, 1.3e9), rel=0.02)
+    qwen = _facts(model_presets.QWEN1_5_MOE_A2_7B)
+    assert (qwen.parameters, qwen.active_parameters) == pytest.approx((14.3e9, 2.7e9), rel=0.02)
+    # A preset's name is a model.
+    result = smp.plan("mixtral-8x7b", seq_len=SEQ, global_batch=8, gpus=8, hardware="h200", layout={})
+    assert result.evaluated is not None
+
+
+def test_mixed_dense_and_moe_layers():
+    """Qwen-style: the layers in mlp_only_layers keep the dense MLP; a dense config has no experts."""
+    half = {**model_presets.QWEN1_5_MOE_A2_7B, "mlp_only_layers": list(range(12))}
+    whole, mixed = _facts(model_presets.QWEN1_5_MOE_A2_7B), _facts(half)
+    assert mixed.moe_layers == 12
+    assert mixed.expert_total == pytest.approx(whole.expert_total / 2)
+    dense_mlp = 3 * 2048 * 5632
+    moe_rest = 2048 * 60 + 3 * 2048 * 5632 + 2048  # router, shared expert and its gate
+    assert mixed.parameters - whole.parameters == pytest.approx(
+        12 * (dense_mlp - moe_rest) - whole.expert_total / 2
+    )
+    assert _facts({k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}).experts == 0
+
+
+def test_ep_divides_the_expert_bytes_and_nothing_else():
+    facts, work = _facts(), _workload(8, 8, per_node=8)
+    base = Layout(rdp=8, bf16=True, checkpointing="each")
+    one = memory.estimate(facts, base, work)
+    two = memory.estimate(facts, base.replace(ep=2), work)
+    experts = facts.expert_total
+    others = facts.parameters - experts
+    # bf16 parameters; fp32 gradients; fp32 masters; two fp32 moments.
+    for got, want, per in (
+        (one.parameters, facts.parameters, 2),
+        (two.parameters, others + experts / 2, 2),
+        (two.gradients, others + experts / 2, 4),
+        (two.masters, others + experts / 2, 4),
+        (two.optimizer_state, others + experts / 2, 8),
+    ):
+        assert got == pytest.approx(want * per, rel=1e-6)
+    assert one.parameters - two.parameters == pytest.approx(experts / 2 * 2, rel=1e-6)
+    assert two.activations == one.activations  # the saved activations are ep's as they are without
+    # The all-to-all's send and receive buffers: top_k x tokens x hidden each.
+    assert two.communication - one.communication == pytest.approx(2 * 2 * SEQ * 4096 * 2)
+    # The saved activations hold the dispatched tokens, top_k x hidden per token and MoE layer.
+    dense = _facts({k: v for k, v in MIXTRAL.items() if k != "num_local_experts"})
+    assert facts.saved_layer.replicated_elements - dense.saved_layer.replicated_elements >= 2 * 2 * SEQ * 4096
+
+
+def test_step_time_counts_top_k_experts_and_the_all_to_alls():
+    work = _workload(8, 8)
+    base = Layout(rdp=8, bf16=True, checkpointing="each")
+    top2_of_8 = step_time.estimate(_facts(), base, work)
+    top2_of_2 = step_time.estimate(_facts({**MIXTRAL, "num_local_experts": 2}), base, work)
+    top8_of_8 = step_time.estimate(_facts({**MIXTRAL, "num_experts_per_tok": 8}), base, work)
+    # The compute of a top-2 of 8 model is what 2 experts cost, not 8.
+    assert top2_of_8.matmul == pytest.approx(top2_of_2.matmul, rel=0.05)
+    assert top8_of_8.matmul > 2.5 * top2_of_8.matmul
+    assert top2_of_8.ep_comm == 0.0
+    ep = step_time.estimate(_facts(), base.replace(ep=8), work)
+    assert ep.ep_comm > 0.0 and ep.parts()["ep_comm"] == ep.ep_comm
+    assert ep.total == pytest.approx(sum(ep.parts().values()))
+    assert ep.matmul == pytest.approx(top2_of_8.matmul, rel=0.05)  # the same pairs, on E/ep experts
+    # Per MoE layer and rank of T tokens: dispatch and combine of top_k T hidden bf16 elements, each
+    # moving (ep - 1)/ep of it, forward; twice backward; once more recomputed (checkpointed).
+    hw = work.hardware
+    moved = 2 * SEQ * 4096 * 2 * 7 / 8
+    latency = (hw.collective_latency_us / 2 + 7 * hw.intra_node_step_latency_us) * 1e-6
+    per_layer = (2 + 4 + 2) * (moved / (hw.intra_node_gbps * 1e9 * hw.link_efficiency) + latency)
+    assert ep.ep_comm == pytest.approx(32 * per_layer, rel=1e-6)
+    # Across nodes the same exchange is slower.
+    across = step_time.estimate(_facts(), base.replace(ep=8), _workload(8, 8, per_node=4))
+    assert across.ep_comm > 2 * ep.ep_comm  # 4 GPUs a node: their 4 adapters, not NVLink
+    # The experts' gradients are averaged over the rdp/ep ranks holding the same experts (ep ranks
+    # apart), the rest over all of rdp: at rdp = 16, ep = 8, a pair of ranks on two nodes.
+    facts, dp16 = _facts(), _workload(16, 16)
+    grads = 4 * (facts.parameters - facts.expert_total), 4 * facts.expert_total / 8
+    want = kernels.all_reduce(hw, grads[0], kernels.Group(16, 1), 8, 16)
+    want += kernels.all_reduce(hw, grads[1], kernels.Group(2, 8), 8, 16)
+    assert step_time.estimate(facts, base.replace(rdp=16, ep=8), dp16).dp_traffic == pytest.approx(want)
+    # On one node, ep = rdp: no replica holds the same experts, only the rest is averaged.
+    assert ep.dp_traffic < 0.2 * top2_of_8.dp_traffic
+
+
+def test_the_walk_raises_ep_where_replicated_experts_do_not_fit():
+    """Mixtral-8x7B on one node of 8 GPUs of 192 GB, one sequence each: its replicated experts do
+    not fit, nor does sharding the optimizer state over 8 ranks; ep=8 (each rank one expert of every
+    layer) fits, and is the fastest that does."""
+    result = smp.plan(
+        "mixtral-8x7b", seq_len=SEQ, global_batch=8, gpus=8, hardware="h200", gpu_memory="192GB"
+    )
+    best = result.recommended_candidate
+    assert best.layout.ep == 8 and best.layout.tp == 1 and best.layout.pp == 1, best.layout.describe()
+    assert result.first_fit.layout.ep == 8
+    assert best.time.ep_comm > 0
+    assert result.recommended["expert_parallel_degree"] == 8
+    steps = [c.step for c in result.candidates]
+    ep_steps = [s for s in steps if s.startswith("3a. expert parallelism")]
+    assert ep_steps == ["3a. expert parallelism 2", "3a. expert parallelism 4", "3a. expert parallelism 8"]
+    later = [s for s in steps if s.startswith(("4. tensor", "5. pipeline"))]
+    assert max(steps.index(s) for s in ep_steps) < min(steps.index(s) for s in later)
+    assert "ep=8" in result.table() and "ep_comm" in result.table()
+    assert all(
+        c.layout.tp == 1 and c.layout.pp == 1 and c.layout.sdp == 1
+        for c in result.candidates
+        if c.layout.ep > 1
+    )
+
+
+def test_mixtral_on_80gb_gpus_tries_ep_and_says_why_it_does_not_fit():
+    """On 80 GB GPUs even ep=8 holds 7.25B parameters a rank with their whole Adam state (smp refuses
+    a sharded optimizer state with ep), about 130 GB: the walk says so and goes on."""
+    result = smp.plan("mixtral-8x7b", seq_len=SEQ, global_batch=256, gpus=64, hardware="h100-sxm")
+    tried = [c for c in result.candidates if c.layout.ep > 1]
+    assert [c.layout.ep for c in tried] == [2, 4, 8] and not any(c.fits for c in tried)
+    assert any("3a. expert parallelism: none fits up to ep=8" in n for n in result.notes)
+    assert result.recommended_candidate is not None and result.recommended_candidate.layout.ep == 1
+    # A dense model is never given ep.
+    dense = {k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}
+    plain = smp.plan(dense, seq_len=SEQ, global_batch=256, gpus=64, hardware="h100-sxm")
+    assert all(c.layout.ep == 1 for c in plain.candidates)
+
+
+def test_layout_round_trips_expert_parallel_degree():
+    layout = from_config({"expert_parallel_degree": 4, "activation_checkpointing": "each"}, 8)
+    assert (layout.ep, layout.rdp) == (4, 8)
+    written = layout.smp_config()
+    assert written["expert_parallel_degree"] == 4
+    assert from_config(written, 8) == layout
+    assert from_config({}, 8).smp_config()["expert_parallel_degree"] == 1
+    assert "ep=4" in layout.describe()
+    evaluated = smp.plan("mixtral-8x7b", seq_len=SEQ, global_batch=8, gpus=8, hardware="h200", layout=written)
+    assert evaluated.evaluated.layout.ep == 4 and evaluated.evaluated.time.ep_comm > 0
+
+
+@pytest.mark.parametrize(
+    ("config", "gpus", "match"),
+    [
+        ({"expert_parallel_degree": 2, "tensor_parallel_degree": 2}, 8, "not with tensor_parallel_degree=2"),
+        (
+            {"expert_parallel_degree": 2, "pipeline_parallel_degree": 2},
+            8,
+            "not with pipeline_parallel_degree=2",
+        ),
+        ({"expert_parallel_degree": 2, "shard_optimizer_state": True}, 8, "not with shard_optimizer_state"),
+        (
+            {"expert_parallel_degree": 2, "context_parallel_degree": 2},
+            8,
+            "not with context_parallel_degree=2",
+        ),
+        (
+            {"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2},
+            8,
+            "sharded_data_parallel_degree to 1",
+        ),
+        (
+            {"expert_parallel_degree": 4},
+            6,
+            r"does not divide the reduced data parallel degree 6; choose one of",
+        ),
+    ],
+)
+def test_an_explicit_layout_that_ep_refuses_is_a_clear_error(config, gpus, match):
+    with pytest.raises(ValueError, match=match):
+        smp.plan("mixtral-8x7b", seq_len=SEQ, global_batch=gpus, gpus=gpus, hardware="h200", layout=config)
+
+
+def test_ep_must_divide_the_experts_and_needs_experts():
+    with pytest.raises(ValueError, match="does not divide the model's 8 experts per layer; choose one of"):
+        smp.plan(
+            "mixtral-8x7b",
+            seq_len=SEQ,
+            global_batch=16,
+            gpus=16,
+            hardware="h200",
+            layout={"expert_parallel_degree": 16},
+        )
+    dense = {k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}
+    with pytest.raises(ValueError, match="no experts"):
+        smp.plan(
+            dense, seq_len=SEQ, global_batch=8, gpus=8, hardware="h200", layout={"expert_parallel_degree": 2}
+        )
