@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from smp.planner.model_facts import Matmul, ModelFacts, Params, Saved
+from smp.planner.facts import Matmul, ModelFacts, Params, Saved
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
