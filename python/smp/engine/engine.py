@@ -93,6 +93,10 @@ class Engine:
         checks = (config.check_finite or config.debug) and not config.fp16
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
         self._whole = module  # what a forward calls when the model runs whole
+        # Set when the model is placed (_install), read each step start and finish: whether the
+        # gradient averaging has work in a step, and whether replicas take the first one's buffers.
+        self._syncs = False
+        self._broadcasts = False
         if config.sharded_data_parallel_degree > 1 and not self.captures:
             options = config.compile  # each layer's forward compiled, FSDP2's hooks outside
             compile_layer = None if options is None else lambda m: compiled.compile_forward(m, options)
@@ -137,13 +141,13 @@ class Engine:
         self._check_trained()
         if self.gradients is not None:
             self.gradients.step_starting()
-        if self.grad_sync is not None and not self.grad_sync.idle:
+        if self._syncs:
             self._start_grad_sync()
         self._backward_ran = False
         self.steps_run += 1
         if self._finite is not None:
             self._finite.start_step()
-        if self._broadcast_buffers and self.partitioned and len(self.groups.dp_ranks) > 1:
+        if self._broadcasts:
             # As DDP: replicas use the first replica's buffers (BatchNorm statistics) every step.
             replicas.broadcast_over(self._buffers.now(), self.groups.dp, self.groups.dp_ranks)
 
@@ -151,7 +155,7 @@ class Engine:
         if self.captures:
             self.programs.finish_step()
         self._checkpointing.finish_step()
-        if self.grad_sync is not None and not self.grad_sync.idle:
+        if self._syncs:
             self.grad_sync.finish_step(self._backward_ran, publish=self.gradients is None)
         if self.sharded_data is not None and self._backward_ran and self._accumulation.last_of_window:
             self.sharded_data.finish_backward()  # (once per window: the sums add across steps)
@@ -283,6 +287,7 @@ class Engine:
     def _install(self, plan: Plan) -> None:
         self.plan = plan
         self._buffers = replicas.BufferSlots(self.module)
+        self._broadcasts = self._broadcast_buffers and len(self.groups.dp_ranks) > 1
         if plan.sharded_data is not None:  # FSDP2 averages the gradients
             self.sharded_data = plan.sharded_data
             self._trained.take(final=self.captures)
@@ -298,6 +303,7 @@ class Engine:
             expert_ids=frozenset(map(id, experts.params)) if experts else frozenset(),
             expert_group=experts.replica_group if experts else None,
         )
+        self._syncs = not self.grad_sync.idle
         # A captured model's stage graphs and optimizer state are built for the set at partition.
         self._trained.take(final=self.captures)
 
