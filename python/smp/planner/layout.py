@@ -208,10 +208,9 @@ def sdp_problem(layout: Layout) -> str:
     if n == 1:
         return ""
     if layout.rdp % n:
-        divisors = [d for d in range(1, layout.rdp + 1) if layout.rdp % d == 0]
         return (
             f"{SDP_KEY} {n} does not divide the reduced data parallel degree {layout.rdp} "
-            f"(GPUs / (pp x tp{' x cp' if layout.cp > 1 else ''})); choose one of {divisors}"
+            f"(GPUs / (pp x tp{' x cp' if layout.cp > 1 else ''})); choose one of {_divisors(layout.rdp)}"
         )
     if layout.shard_optimizer_state:
         return (
@@ -232,6 +231,11 @@ def sdp_problem(layout: Layout) -> str:
     return ""
 
 
+def _divisors(n: int) -> list[int]:
+    """The degrees that divide n (the choices an error names)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def ep_problem(layout: Layout, experts: int | None = None) -> str:
     """Why `layout`'s expert parallel degree cannot run ("" where it can), with the fix: ep blocks
     of data replicas divide every MoE layer's `experts` (None: not checked) among them. smp.init
@@ -241,10 +245,9 @@ def ep_problem(layout: Layout, experts: int | None = None) -> str:
     if e == 1:
         return ""
     if layout.rdp % e:
-        divisors = [d for d in range(1, layout.rdp + 1) if layout.rdp % d == 0]
         return (
             f"{EP_KEY} {e} does not divide the reduced data parallel degree {layout.rdp}; choose one of "
-            f"{divisors}"
+            f"{_divisors(layout.rdp)}"
         )
     if layout.sdp > 1:
         return (
@@ -254,7 +257,7 @@ def ep_problem(layout: Layout, experts: int | None = None) -> str:
     if experts == 0:
         return f"{EP_KEY} {e}: the model has no experts (not a mixture of experts); set it to 1"
     if experts and experts % e:
-        divisors = [d for d in range(1, experts + 1) if experts % d == 0 and layout.rdp % d == 0]
+        divisors = [d for d in _divisors(experts) if layout.rdp % d == 0]
         return (
             f"{EP_KEY} {e} does not divide the model's {experts} experts per layer; choose one of {divisors}"
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ import smp.passes as passes
 from smp.groups import ParallelGroups
 from smp.sharded_data import tensors
 from smp.state.sliced import Placement, Slices
+
+if TYPE_CHECKING:  # (only the type: the placement is the engine's, handed in)
+    from smp.expert_parallel import ExpertPlacement
 
 EXPERT_BLOCKS = passes.ShardSpec(dim=0)  # an expert bank's experts, a block per rank of the ep group
 
@@ -139,7 +142,7 @@ def state_places(
     keys: list[str],
     specs: Mapping[int, passes.ShardSpec],
     groups: ParallelGroups,
-    experts: Any = None,
+    experts: ExpertPlacement | None = None,
 ) -> StatePlaces:
     """This rank's StatePlaces (a collective over the pipeline group: which stage holds which keys).
     `experts`: expert parallelism's ExpertPlacement, whose blocks sit along dim 0 of each bank."""
@@ -204,7 +207,7 @@ class ModelState:
     keys: list[str]
     specs: Mapping[int, passes.ShardSpec]
     groups: ParallelGroups
-    experts: Any = None  # expert parallelism's ExpertPlacement, if the model has one
+    experts: ExpertPlacement | None = None  # expert parallelism's placement, if the model has one
 
     def full(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.module, self.keys, self.specs, self.groups)
