@@ -210,9 +210,7 @@ class DistributedModel(nn.Module):
         call it on every rank (or on every rank with rdp_rank() == 0). Under sharded data parallelism
         it gathers the shards over the sdp group: call it on every rank."""
         if self.engine.holds_whole_state:
-            state = self.get_module().state_dict(*args, **kwargs)
-            experts = self.engine.plan.experts if self.engine.plan is not None else None
-            return experts.gather_full(state) if experts is not None else state
+            return self.get_module().state_dict(*args, **kwargs)
         return self.engine.state.full()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -238,9 +236,6 @@ class DistributedModel(nn.Module):
             )
             return None
         if self.engine.holds_whole_state:
-            experts = self.engine.plan.experts if self.engine.plan is not None else None
-            if experts is not None:  # each rank takes its block of the experts
-                state_dict = experts.cut_full(state_dict)
             return self.get_module().load_state_dict(state_dict, strict=strict, assign=assign)
         self.engine.state.load(state_dict, strict)
         return None

@@ -93,10 +93,8 @@ class Engine:
         checks = (config.check_finite or config.debug) and not config.fp16
         self._finite = FiniteCheck(self.schedule.rank_stages(groups.pp_rank), groups.rank) if checks else None
         self._whole = module  # what a forward calls when the model runs whole
-        # Set when the model is placed (_install), read each step start and finish: whether the
-        # gradient averaging has work in a step, and whether replicas take the first one's buffers.
-        self._syncs = False
-        self._broadcasts = False
+        # Whether a step averages gradients, and replicas take the first one's buffers (_install).
+        self._syncs = self._broadcasts = False
         if config.sharded_data_parallel_degree > 1 and not self.captures:
             options = config.compile  # each layer's forward compiled, FSDP2's hooks outside
             compile_layer = None if options is None else lambda m: compiled.compile_forward(m, options)
@@ -178,11 +176,8 @@ class Engine:
         self.grad_sync.follow_requires_grad(list(self.module.parameters()))
 
     def _start_grad_sync(self) -> None:
-        self.grad_sync.start_step(
-            self.config.microbatches,
-            new_window=self._accumulation.new_window,
-            sync=self._accumulation.last_of_window,
-        )
+        window = self._accumulation
+        self.grad_sync.start_step(self.config.microbatches, window.new_window, window.last_of_window)
 
     def register_post_step_hook(self, hook: Callable) -> None:
         """hook(optimizer) runs once, when the next step has finished (its gradients averaged)."""
@@ -194,9 +189,7 @@ class Engine:
             self._failed_step = f"{type(error).__name__}: {error}"
 
     def step_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A step's arguments: the first pipeline stage's on every stage (smp.engine.first_stage)."""
-        if self.groups.pp_size == 1:
-            return args, kwargs
+        """A step's arguments at pp > 1: the first stage's on every stage (smp.engine.first_stage)."""
         return first_stage.arguments(args, kwargs, self.groups, self._device)
 
     # --- one microbatch ----------------------------------------------------------------
@@ -388,8 +381,9 @@ class Engine:
     @property
     def holds_whole_state(self) -> bool:
         """Whether the module's own state_dict is the whole model's (not partitioned into stages
-        or shards, nor sharded over the sdp group)."""
-        return self.sharded_data is None and not (self.captures and (self.partitioned or self.shard_specs))
+        or shards, nor sharded over the sdp group, nor its experts divided over the ep group)."""
+        split = self.sharded_data is not None or self.plan is not None and self.plan.experts is not None
+        return not split and not (self.captures and (self.partitioned or self.shard_specs))
 
     @property
     def state(self) -> model_state.ModelState:

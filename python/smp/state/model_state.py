@@ -210,9 +210,15 @@ class ModelState:
     experts: ExpertPlacement | None = None  # expert parallelism's placement, if the model has one
 
     def full(self) -> dict[str, torch.Tensor]:
-        return full_state_dict(self.module, self.keys, self.specs, self.groups)
+        """The whole model's state (a collective: over the pipeline and tensor-parallel groups, and
+        the ep group, whose blocks of every expert bank are gathered in rank order)."""
+        state = full_state_dict(self.module, self.keys, self.specs, self.groups)
+        return self.experts.gather_full(state) if self.experts is not None else state
 
     def load(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+        """A whole model's state into this rank's part (each rank its block of the experts)."""
+        if self.experts is not None:
+            state_dict = self.experts.cut_full(state_dict)
         load_full_state_dict(self.module, state_dict, self.keys, self.specs, self.groups, strict)
 
     def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
