@@ -97,8 +97,12 @@ def test_cp_parity_sliding_window_and_padding(world):
     for case in MASKED_MODELS:
         assert _mask_matters(case) > 10 * LOSS_RTOL, case
     per_rank = run_ranks(_train_matrix, world, MASK_MATRIX[world], timeout=600)
-    for case, config, e in per_rank[0]:  # every entry printed before any is asserted
-        print(case, config, {k: f"{e[k]:.2e}" for k in ("loss_err", "param_err", "grad_err")})
+    for i, (case, config, _) in enumerate(per_rank[0]):  # every entry, worst over ranks, before asserting
+        print(
+            case,
+            config,
+            {k: f"{max(r[i][2][k] for r in per_rank):.2e}" for k in ("loss_err", "param_err", "grad_err")},
+        )
     failed = [
         (case, config, e)
         for r in per_rank
