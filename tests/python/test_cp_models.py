@@ -47,6 +47,71 @@ def test_cp_parity(case, world, config):
         assert r["loss_err"] < LOSS_RTOL and r["param_err"] < PARAM_ATOL and r["grad_err"] < GRAD_RTOL, r
 
 
+def _train_matrix(rank, world_size, runs):
+    """Each (case, configs) in turn on the same ranks: one launch for a model/layout matrix."""
+    out = []
+    for case, configs in runs:
+        for config, r in zip(
+            configs, pipeline_cases.train_smp(rank, world_size, case, configs, 3, 4), strict=True
+        ):
+            out.append((case, config, {k: r[k] for k in ("loss_err", "param_err", "grad_err", "losses")}))
+    return out
+
+
+COMMS = ("p2p", "all_gather", "a2a")
+# Mistral's sliding window (4 of 16 positions) and BERT's padding (BertForMaskedLM, -100 on all
+# but 4 tokens a row, rows 1 and 3 padded): the masks that only the pass's cut of the mask handles.
+MASKED_MODELS = ("hf_mistral", "hf_bert_padded")
+MASK_MATRIX = {
+    2: [(case, [{"context_parallel_degree": 2, "cp_comm_type": c} for c in COMMS]) for case in MASKED_MODELS],
+    4: [
+        ("hf_mistral", [{"context_parallel_degree": 4, "cp_comm_type": "p2p"}]),
+        ("hf_bert_padded", [{"context_parallel_degree": 4, "cp_comm_type": "a2a"}]),
+    ],
+}
+
+
+def _mask_matters(case):
+    """The one-process loss with the case's mask against without it: a pass that dropped the mask
+    would be off by more than the parity bar."""
+    import torch
+
+    torch.manual_seed(0)
+    model, batch, forward, loss_fn = pipeline_cases.CASES[case]()
+    b = batch(0, 4)
+    with torch.no_grad():
+        masked = loss_fn(forward(model, b), b).item()
+        if case == "hf_mistral":
+            model.config.sliding_window = None
+        else:
+            b = {k: v for k, v in b.items() if k != "mask"}
+        unmasked = loss_fn(forward(model, b), b).item()
+    return abs(masked - unmasked) / abs(masked)
+
+
+@pytest.mark.parametrize("world", sorted(MASK_MATRIX))
+def test_cp_parity_sliding_window_and_padding(world):
+    """HF Mistral (sliding window shorter than the sequence) and HF BERT (masked LM, no causal
+    mask, padding in some rows) trained through smp.DistributedModel at cp=world, each comm type
+    at cp=2, against one process on the same global batch."""
+    for case in MASKED_MODELS:
+        assert _mask_matters(case) > 10 * LOSS_RTOL, case
+    per_rank = run_ranks(_train_matrix, world, MASK_MATRIX[world], timeout=600)
+    for i, (case, config, _) in enumerate(per_rank[0]):  # every entry, worst over ranks, before asserting
+        print(
+            case,
+            config,
+            {k: f"{max(r[i][2][k] for r in per_rank):.2e}" for k in ("loss_err", "param_err", "grad_err")},
+        )
+    failed = [
+        (case, config, e)
+        for r in per_rank
+        for case, config, e in r
+        if not (e["loss_err"] < LOSS_RTOL and e["param_err"] < PARAM_ATOL and e["grad_err"] < GRAD_RTOL)
+    ]
+    assert not failed, failed
+
+
 def _peaks(rank, world_size, case, comms):
     configs = [{"context_parallel_degree": 2, "cp_comm_type": c} for c in comms]
     configs.append({"pipeline_parallel_degree": 2})

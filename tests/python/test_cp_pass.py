@@ -14,23 +14,6 @@ from harness import run_ranks
 TOL = 1e-5
 
 
-def mistral():
-    """Llama's shape with Mistral's sliding window (4 of the 16 positions)."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(
-        vocab_size=hf_cases.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=hf_cases.SEQ,
-        sliding_window=4,
-    )
-    return MistralForCausalLM(config)
-
-
 def gpt2_eager():
     """GPT-2 with HF's eager attention: softmax(QK^T)V written out (the keys gathered)."""
     model = hf_cases.gpt2(2)
@@ -41,7 +24,7 @@ def gpt2_eager():
 BUILD = {
     "gpt2": lambda: hf_cases.gpt2(2),
     "llama": lambda: hf_cases.llama(2),
-    "mistral": mistral,
+    "mistral": hf_cases.mistral,  # sliding window 4 of the 16 positions
     "gpt2_eager": gpt2_eager,
 }
 
