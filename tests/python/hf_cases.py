@@ -27,18 +27,21 @@ def gpt2(layers: int = 4):
     return GPT2LMHeadModel(config)
 
 
+# Llama's small shape, which Mistral shares (grouped-query attention: 4 heads, 2 for keys/values).
+_LLAMA_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+)
+
+
 def llama(layers: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
+    config = LlamaConfig(num_hidden_layers=layers, **_LLAMA_SHAPE)
     return LlamaForCausalLM(config)
 
 
@@ -48,13 +51,8 @@ def mistral(layers: int = 2, window: int = 4, initializer_range: float = 0.02):
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
+        **_LLAMA_SHAPE,
         sliding_window=window,
         initializer_range=initializer_range,
     )
