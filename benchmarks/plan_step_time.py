@@ -5,12 +5,13 @@
 Two processes (one thread each, as the training runs use them), in rounds; in each round, for each
 layout:
 1. both ranks at once measure the CPU processes as a hardware description (smp.planner.hardware):
-   the matmul rate in fp32 and bf16 (square matmuls of 256 to 1024, the best size), the bytes per
-   second of a chain of elementwise products of [512, 1024] tensors whose outputs stay alive (as a
-   forward's activations do), the time a dispatched operation costs (a chain of tiny
-   multiplications, forward and backward, per the planner's count of 1 + 1.6 operations), and the
-   all-reduce between the two processes (its time at 4 KiB is the latency, the added time to
-   4 MiB the bandwidth). Each figure is a rate over a loop of at least 0.1 s;
+   the matmul rate in fp32 and bf16 (a linear layer's forward, input- and weight-gradient products
+   at two shapes), the bytes per second of a chain of elementwise products of [512, 1024] tensors
+   whose outputs stay alive (as a forward's activations do), the time a dispatched operation
+   costs (a chain of tiny multiplications, forward and backward, per the planner's count of
+   1 + 1.6 operations), and the all-reduce between the two processes, each call after some
+   compute as a step makes them (its time at 4 KiB is the latency, the added time to 4 MiB the
+   bandwidth). Each figure is a rate over a loop of at least 0.1 s;
 2. they train a small Hugging Face GPT-2 with smp in the layout, timing each step after two
    warm-up steps (the slower rank's time of each step; the median over the round's steps).
 The planner then predicts the layout's step time on the description measured just before it (the
@@ -77,7 +78,7 @@ def facts() -> dict:
     return {
         "fp32": _matmul_rate(torch.float32),
         "bf16": _matmul_rate(torch.bfloat16),
-        "fp16": _matmul_rate(torch.float16, sizes=(256,)),  # slow on CPUs; no layout here uses it
+        "fp16": _matmul_rate(torch.float16, shapes=((256, 256, 256),)),  # slow on CPUs; unused here
         "memory": _elementwise_rate(),
         "op": _op_cost(),
         "all_reduce": _all_reduce(),
@@ -96,14 +97,25 @@ def _best(fn, window: float = 0.1) -> float:
             return elapsed / calls
 
 
-def _matmul_rate(dtype, sizes=(256, 512, 1024)) -> float:
+def _matmul_rate(dtype, shapes=((512, 256, 1024), (512, 1024, 256))) -> float:
+    """FLOP/s of a linear layer's matmuls as training runs them: [T, k] x [k, n] with each operand
+    as the forward, the input gradient and the weight gradient lay it out (plain, the weight
+    transposed, the activation transposed: nn.Linear and HF's Conv1D run one of each per layer),
+    their total FLOPs over their total time. A CPU's best square matmul is no rate a layer's
+    shards run at: on this VM fp32 layers run at 0.65-0.85x of it, and without bf16 units a bf16
+    product is 15x slower or faster by operand layout alone (oneDNN's paths)."""
     import torch
 
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        best = max(best, 2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b)))
-    return best
+    flops = seconds = 0.0
+    for t, k, n in shapes:
+        for a, b in (
+            (torch.randn(t, k, dtype=dtype), torch.randn(k, n, dtype=dtype)),
+            (torch.randn(t, k, dtype=dtype), torch.randn(n, k, dtype=dtype).t()),
+            (torch.randn(k, t, dtype=dtype).t(), torch.randn(k, n, dtype=dtype)),
+        ):
+            flops += 2 * t * k * n
+            seconds += _best(lambda a=a, b=b: torch.mm(a, b))
+    return flops / seconds
 
 
 def _elementwise_rate() -> float:
@@ -143,18 +155,27 @@ def _op_cost() -> float:
 
 
 def _all_reduce() -> dict:
+    """Seconds of one all-reduce between the two processes at 4 KiB and 4 MiB, each called after
+    some compute, as a step calls its collectives. Back to back they run 1.2-2x faster on this
+    VM (1.5 against 1.9-2.2 ms at 4 KiB, 2.4 against 4.6-6.0 ms at 1 MiB): a rank coming from
+    compute has its peer's wake-up and a cold cache to pay."""
     import torch
     import torch.distributed as dist
 
+    a = torch.randn(256, 256)
     out = {}
-    for size, calls in ((4 * 2**10, 100), (4 * 2**20, 20)):
+    for size, calls in ((4 * 2**10, 40), (4 * 2**20, 12)):
         t = torch.ones(size // 4)
         dist.all_reduce(t)
         dist.barrier()
-        start = time.perf_counter()
+        seconds = 0.0
         for _ in range(calls):
+            for _ in range(8):  # about 2 ms of matmuls, the same on both ranks
+                torch.mm(a, a)
+            start = time.perf_counter()
             dist.all_reduce(t)
-        out[size] = (time.perf_counter() - start) / calls
+            seconds += time.perf_counter() - start
+        out[size] = seconds / calls
     return out
 
 
