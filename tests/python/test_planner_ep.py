@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import smp
 from smp.planner import hardware, kernels, memory, model_facts, model_presets, step_time
+from smp.planner.facts import Params
 from smp.planner.layout import Layout, from_config
 
 MIXTRAL = model_presets.MIXTRAL_8X7B
@@ -216,3 +217,79 @@ def test_ep_must_divide_the_experts_and_needs_experts():
         smp.plan(
             dense, seq_len=SEQ, global_batch=8, gpus=8, hardware="h200", layout={"expert_parallel_degree": 2}
         )
+
+
+def _tiny_moe(family: str, implementation: str = "grouped_mm"):
+    import transformers
+
+    shape = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_experts_per_tok=2,
+    )
+    config, model = {
+        "mixtral": (
+            transformers.MixtralConfig(num_local_experts=4, **shape),
+            transformers.MixtralForCausalLM,
+        ),
+        "qwen2_moe": (
+            transformers.Qwen2MoeConfig(
+                num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64, **shape
+            ),
+            transformers.Qwen2MoeForCausalLM,
+        ),
+    }[family]
+    config._experts_implementation = implementation
+    return config, model(config)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_a_measured_moe_module_counts_e_experts_and_top_k_of_them_per_token(implementation):
+    """A module passed to smp.plan is measured (measured_facts.py); its 3-D expert banks are the
+    experts (found as expert parallelism finds them), whichever experts implementation it runs:
+    transformers' "eager" one routes with a data-dependent loop the fake forward cannot follow."""
+    from smp.planner import measured_facts
+
+    config, model = _tiny_moe("mixtral", implementation)
+    facts = measured_facts.from_module(model, 64)
+    assert model.config._experts_implementation == implementation  # put back
+    banks = [p for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert (facts.experts, facts.top_k, facts.moe_layers) == (4, 2, 2)
+    assert facts.parameters == sum(p.numel() for p in model.parameters())
+    assert facts.expert_total == sum(p.numel() for p in banks) == 2 * 4 * 3 * 64 * 128
+    assert facts.expert == Params(3 * 64 * 128, 3 * 64 * 128)
+    # FLOPs per token: the layer's own matrices and top_k = 2 experts (not 4), besides the scores.
+    own = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 4 * 64  # attention, router
+    assert (facts.layer_flops_per_token - 4 * 64 * 64) / 2 == own + 2 * 64 + 2 * 3 * 64 * 128
+    assert facts.layer.sharded == own - 4 * 64  # the router stays whole under tensor parallelism
+    assert [(m.k, m.n, m.cut, m.experts) for m in facts.matmuls[1:]] == [(64, 256, "n", 4), (128, 64, "k", 4)]
+    # The same counts as the model's config gives.
+    from_config = model_facts.from_hf_config(config.to_dict(), 64)
+    assert (facts.parameters, facts.active_parameters) == (
+        from_config.parameters,
+        from_config.active_parameters,
+    )
+
+
+def test_a_measured_shared_expert_stays_with_the_layer_and_ep_divides_only_the_routed():
+    config, model = _tiny_moe("qwen2_moe")
+    result = smp.plan(model, seq_len=64, global_batch=4, gpus=4, hardware="h200", layout={"ddp": True})
+    facts = result.facts
+    assert (facts.experts, facts.moe_layers, facts.expert.total) == (4, 2, 3 * 64 * 32)
+    assert facts.parameters == sum(p.numel() for p in model.parameters())
+    plain = result.evaluated.breakdown
+    ep = smp.plan(
+        model,
+        seq_len=64,
+        global_batch=4,
+        gpus=4,
+        hardware="h200",
+        layout={"ddp": True, "expert_parallel_degree": 2},
+    )
+    moved = plain.parameters - ep.evaluated.breakdown.parameters
+    assert moved == pytest.approx(facts.expert_total / 2 * 4)  # fp32: half the routed experts' bytes

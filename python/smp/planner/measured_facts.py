@@ -22,6 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from smp.planner import measured_experts
 from smp.planner.model_facts import Matmul, ModelFacts, Params, Saved
 
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "heads")
@@ -51,10 +52,18 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
             f"{', '.join(_HEAD_KEYS)}); pass its Hugging Face config instead"
         )
     kv_heads = _attribute(module, _KV_KEYS) or heads
+    moe = measured_experts.find(module, layers, hidden, _attribute(module, measured_experts.TOP_K_KEYS))
     run = _Recorder(module, layers, hidden, mode)
-    run.forward(seq_len, vocab)
+    with measured_experts.traceable(layers):
+        run.forward(seq_len, vocab)
     n = len(layers)
-    layer_params = _params([p for layer in layers for p in layer.parameters()], n)
+    own = [p for layer in layers for p in layer.parameters() if moe is None or id(p) not in moe.params]
+    layer_params = _params(own, n, replicated=moe.routers if moe else frozenset())
+    # A token goes through every matrix of a layer but only top_k of its experts' (FLOPs exact);
+    # the layer's own matrices are taken as one [hidden, n] matrix of the same size (its shape,
+    # for the step time's tile waves, approximate).
+    active = layer_params.total + (moe.moe_layers / n * moe.top_k * moe.expert.total if moe else 0)
+    matmuls = (Matmul(hidden, max(1, layer_params.sharded // hidden), "n"), *(moe.matmuls if moe else ()))
     return ModelFacts(
         source=f"measured on {type(module).__name__} (a fake-tensor forward: smp/planner/measured_facts.py)",
         seq_len=seq_len,
@@ -72,15 +81,17 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
         saved_after=run.saved["after"],
         saved_layer_input=run.layer_input * (1 / n),
         logits_elements=seq_len * vocab,
-        layer_flops_per_token=2 * layer_params.total + 4 * seq_len * hidden,
+        layer_flops_per_token=2 * active + 4 * seq_len * hidden,
         head_flops_per_token=2 * vocab * hidden,
-        # The layer's matrices taken as one [hidden, n] matrix of the same size (its FLOPs are
-        # exact; its shape, for the step time's tile waves, approximate).
-        matmuls=(Matmul(hidden, max(1, layer_params.sharded // hidden), "n"),),
+        matmuls=matmuls,
         head_dim=hidden // heads,
         eager_attention=run.scores_saved,
         layer_ops=run.layer_ops // n,
         layer_traffic=run.layer_traffic / n,
+        experts=moe.experts if moe else 0,
+        top_k=moe.top_k if moe else 0,
+        moe_layers=moe.moe_layers if moe else 0,
+        expert=moe.expert if moe else Params(),
     )
 
 
@@ -88,10 +99,10 @@ def _holds(params: list[nn.Parameter], p: nn.Parameter) -> bool:
     return any(q is p for q in params)
 
 
-def _params(params: list[nn.Parameter], per: int) -> Params:
+def _params(params: list[nn.Parameter], per: int, replicated: frozenset[int] = frozenset()) -> Params:
     unique = list({id(p): p for p in params}.values())
     total = sum(p.numel() for p in unique)
-    sharded = sum(p.numel() for p in unique if p.dim() >= 2)
+    sharded = sum(p.numel() for p in unique if p.dim() >= 2 and id(p) not in replicated)
     return Params(total // per, sharded // per)
 
 
@@ -199,6 +210,7 @@ _MATMULS = {
     "matmul",
     "linear",
     "scaled_dot_product_attention",
+    "_grouped_mm",  # the experts' (transformers' "grouped_mm")
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",

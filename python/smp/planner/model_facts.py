@@ -6,7 +6,8 @@ From a Hugging Face config (a dict or a config.json) the counts follow the trans
 the config describes; nothing here is keyed on a model's name. The keys read, whatever the
 family calls them: hidden size, layers, heads, key/value heads, head dim, intermediate size,
 vocabulary, learned or rotary positions, token types, tied embeddings, gated MLP, norm kind,
-biases, dropout. Assumptions, stated once:
+biases (where a config does not say: LayerNorm models have them, RMSNorm ones do not), dropout.
+Assumptions, stated once:
 - attention is fused (PyTorch's scaled_dot_product_attention, as transformers uses by default):
   it saves q, k, v, its output and a per-head log-sum-exp, not the [seq, seq] scores. A config
   that asks for "eager" attention (`attn_implementation` / `_attn_implementation`) saves the
@@ -116,7 +117,10 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
     act = str(_first(config, ("hidden_act", "activation_function", "hidden_activation"), "", "gelu")).lower()
     rotary = any(k.startswith("rope") for k in config) or config.get("position_embedding_type") == "rotary"
     positions = 0 if rotary else int(_first(config, ("n_positions", "max_position_embeddings"), "", 0))
-    bias = bool(config.get("attention_bias", config.get("bias", True)))
+    # Biases where the config says; otherwise LayerNorm-era models (GPT-2, GPT-J, NeoX, Phi, BERT)
+    # have them and RMSNorm-era ones (Llama, Mistral, Mixtral, Qwen's MLPs) do not.
+    layer_norm = "rms_norm_eps" not in config
+    bias = bool(config.get("attention_bias", config.get("bias", config.get("qkv_bias", layer_norm))))
     mlp_saves = 1 + _ACTIVATION_SAVES.get(act, 1)  # the activation's, then the down projection's input
     attn_impl = str(config.get("attn_implementation") or config.get("_attn_implementation") or "sdpa")
     return _Shape(
@@ -136,9 +140,9 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
         tied=bool(config.get("tie_word_embeddings", True)),  # transformers' default
         gated=any(g in act for g in _GATED_ACTIVATIONS),
         mlp_saves=mlp_saves,
-        norm_params=hidden if "rms_norm_eps" in config else 2 * hidden,
+        norm_params=2 * hidden if layer_norm else hidden,
         attention_bias=bias,
-        mlp_bias=bool(config.get("mlp_bias", bias)),
+        mlp_bias=bool(config.get("mlp_bias", bias and layer_norm)),
         dropout=any(float(config.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
         eager_attention=attn_impl == "eager",
     )
