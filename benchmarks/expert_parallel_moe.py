@@ -7,7 +7,7 @@
 The model is Hugging Face's Mixtral as transformers builds it (3-D expert banks, top-2 routing),
 from a small config where the experts hold most of the parameters. Two processes; each layout
 trains its own copy (same seed, same weights, same global batches), one after the other (each needs
-its own smp.init):
+its own smp.init), in rounds:
 
   ep2   expert_parallel_degree=2: each rank holds half of every layer's experts whole, tokens
         all-to-all'ed to them and back; the rest replicated, each rank on half the batch.
@@ -15,7 +15,8 @@ its own smp.init):
   tp2   tensor_parallel_degree=2 (today's path for experts): every expert cut in two, attention too;
         both ranks read the whole batch (prescaled).
 
-Reported per layout: the median step time (the slower rank's), its ratio to ep2, the expert and
+The layouts run in turn, --rounds times over. Reported per layout: the median step time (the
+slower rank's), the median over rounds of its ratio to ep2 in the same round, the expert and
 total parameter bytes one rank holds, and the losses' largest relative gap to dp's.
 """
 
@@ -88,7 +89,6 @@ def run_layout(name: str, args) -> dict:
 
 
 def report(r: dict) -> None:
-    base = r["layouts"]["ep2"]["median_s"]
     print(f"Mixtral {r['config']}")
     print(
         f"{'layout':<6} {'median step':>12} {'vs ep2':>7} {'expert MiB/rank':>16} "
@@ -96,7 +96,7 @@ def report(r: dict) -> None:
     )
     for name, x in r["layouts"].items():
         print(
-            f"{name:<6} {x['median_s'] * 1e3:>10.1f}ms {x['median_s'] / base:>6.2f}x "
+            f"{name:<6} {x['median_s'] * 1e3:>10.1f}ms {x['vs_ep2']:>6.2f}x "
             f"{x['expert_bytes'] / 2**20:>16.2f} {x['bytes'] / 2**20:>13.2f} {x['loss_gap']:>9.1e}"
         )
 
@@ -106,6 +106,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dim", type=int, default=128)
@@ -115,11 +116,23 @@ def main() -> None:
     parser.add_argument("--json", help="rank 0 also writes the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two processes share the machine's cores
-    layouts = {name: run_layout(name, args) for name in LAYOUTS}
-    for x in layouts.values():
-        x["loss_gap"] = max(
-            abs(a - b) / abs(b) for a, b in zip(x["losses"], layouts["dp"]["losses"], strict=True)
-        )
+    # The layouts run in turn, --rounds times over: each ratio is taken within a round (neighbours
+    # in time share the machine's drifts), and its median over the rounds reported.
+    rounds = [{name: run_layout(name, args) for name in LAYOUTS} for _ in range(args.rounds)]
+    layouts = {}
+    for name in LAYOUTS:
+        runs = [r[name] for r in rounds]
+        layouts[name] = {
+            **runs[0],
+            "median_s": statistics.median(x["median_s"] for x in runs),
+            "rounds_s": [x["median_s"] for x in runs],
+            "vs_ep2": statistics.median(
+                x["median_s"] / r["ep2"]["median_s"] for x, r in zip(runs, rounds, strict=True)
+            ),
+            "loss_gap": max(
+                abs(a - b) / abs(b) for a, b in zip(runs[0]["losses"], rounds[0]["dp"]["losses"], strict=True)
+            ),
+        }
     result = {"config": vars(args), "layouts": layouts}
     if dist.get_rank() == 0:
         report(result)
