@@ -198,8 +198,6 @@ def _cuda_graph_message(c) -> str:
 def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
     refused = [f"{k}={getattr(c, k)}" for k in (*_DEGREES, "context_parallel_degree") if getattr(c, k) != 1]
-    if c.shard_optimizer_state:
-        refused.append("shard_optimizer_state=true")
     if c.compile is not None:
         refused.append("compile")
     return refused

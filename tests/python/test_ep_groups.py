@@ -59,7 +59,6 @@ def test_ep_degree_must_divide_the_data_parallel_degree():
         ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
         ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2"),
         ({"sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
-        ({"shard_optimizer_state": True}, "shard_optimizer_state=true"),
         ({"compile": True}, "compile"),
     ],
 )

@@ -217,10 +217,13 @@ def _train(rank, world, case, ep, clip, extra=None):
         loss = loss.reduce_mean()
         if s == 0:
             scale = max(g.abs().max().item() for g in ref_grads.values())
+            # (sharded gradients keep only this rank's chunk: no .grad to compare)
+            kept = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
             grad_err = max(
-                (p.grad - ref_part(n, ref_grads[n])).abs().max().item() / scale
-                for n, p in module.named_parameters()
+                [(p.grad - ref_part(n, ref_grads[n])).abs().max().item() / scale for n, p in kept],
+                default=0.0,
             )
+            grads_kept = len(kept) == len(list(module.parameters()))
             aux_err = abs(aux.reduce_mean().item() - ref_aux)
         # The global norm counts each rank's experts once (every ep rank holds different ones).
         norm = opt.clip_master_grads(clip or float("inf")).item()
@@ -245,7 +248,11 @@ def _train(rank, world, case, ep, clip, extra=None):
     )
     expert_numel = sum(p.numel() for n, p in module.named_parameters() if n in rows)
     ref_expert_numel = sum(ref_params[n].numel() for n in rows)
+    flat = opt.flat_state  # sharded optimizer state: the elements of this rank's chunks
+    chunks = sum(f.master.numel() for f in flat.groups) if flat is not None else 0
     return {
+        "state_share": chunks / sum(t.numel() for t in ref_params.values()),
+        "grads_kept": grads_kept,
         "loss_err": loss_err,
         "grad_err": grad_err,
         "aux_err": aux_err,
@@ -304,22 +311,34 @@ def test_parity_with_one_process(case, world, ep, clip):
 
 
 @pytest.mark.parametrize(
-    "extra",
-    [{"config": {"microbatches": 2}}, {"checkpoint": True}],
-    ids=["microbatches2", "activation_checkpointing"],
+    "extra, world, clip",
+    [
+        ({"config": {"microbatches": 2}}, 2, None),
+        ({"checkpoint": True}, 2, None),
+        ({"config": {"shard_optimizer_state": True}, "case": "mixtral"}, 4, 0.5),
+        ({"config": {"shard_optimizer_state": True, "shard_gradients": True}, "case": "mixtral"}, 4, 0.5),
+    ],
+    ids=["microbatches2", "activation_checkpointing", "sharded_optimizer_state", "sharded_gradients"],
 )
-def test_parity_composed(extra):
-    """ep=2 with microbatches (the exchange per microbatch, gradients accumulated) and with every
-    decoder layer recomputed in backward (the exchange runs again), against one process."""
-    case = "mixtral_noaux" if "config" in extra else "mixtral"
-    results = run_ranks(_train, 2, case, 2, None, extra, timeout=600)
-    print({k: max(r[k] for r in results) for k in ("loss_err", "grad_err", "param_err")})
+def test_parity_composed(extra, world, clip):
+    """ep=2 with microbatches (the exchange per microbatch, gradients accumulated), with every
+    decoder layer recomputed in backward (the exchange runs again), and with the optimizer state
+    sharded (4 ranks, clipped: the experts' state cut across the 2 replicas holding them, the rest
+    across all 4), also with only each rank's chunk of the gradients kept (ZeRO-2), against one
+    process."""
+    case = extra.get("case", "mixtral_noaux" if "config" in extra else "mixtral")
+    results = run_ranks(_train, world, case, 2, clip, extra, timeout=600)
+    print({k: max(r[k] for r in results) for k in ("loss_err", "grad_err", "param_err", "norm_err")})
     for r in results:
+        assert r["grads_kept"] != extra.get("config", {}).get("shard_gradients", False)
         assert r["microbatches"] == extra.get("config", {}).get("microbatches", 1)
         # Per step: once per microbatch, and once more in backward where the layer is recomputed.
         assert r["expert_calls"] == STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
         for key in ("loss_err", "grad_err", "norm_err", "param_err", "state_err"):
             assert r[key] < TOL, (key, r)
+    if extra.get("config", {}).get("shard_optimizer_state"):
+        # Each rank steps 1/4 of the model's elements (experts: half of its half), padding aside.
+        assert [r["state_share"] for r in results] == pytest.approx([1 / world] * world, rel=1e-3)
 
 
 def _train_bf16(rank, world, ep):
@@ -374,15 +393,16 @@ def test_bf16_tracks_fp32():
         assert r["update_err"] < 1.25 * plain[0]["update_err"] + 0.02, (r, plain[0])
 
 
-def _ep_checkpoint(rank, world, folder):
+def _ep_checkpoint(rank, world, folder, sharded):
     """Mixtral at ep=2 on 4 ranks (each block of experts on 2 replicas): 4 uninterrupted steps;
     2 steps, then a partial and a full checkpoint; each resumed at ep=2, ep=1 (dp=4) and ep=4 for
-    the last 2 steps. (the state right after the resume against the saved one; the full state
-    after 4 steps against the uninterrupted run's; how far the steps moved the model)"""
+    the last 2 steps, all with the optimizer state sharded or all without. (the state right after
+    the resume against the saved one; the full state after 4 steps against the uninterrupted
+    run's; how far the steps moved the model)"""
     import smp
 
     def build(ep):
-        smp.init({"expert_parallel_degree": ep})
+        smp.init({"expert_parallel_degree": ep, "shard_optimizer_state": sharded})
         torch.manual_seed(0)
         # (no auxiliary loss: without ep it would be each replica's, not the global batch's, and
         # the runs on other ep degrees would train another model)
@@ -429,12 +449,14 @@ def _ep_checkpoint(rank, world, folder):
     return results, gap(saved, start)
 
 
-def test_ep_checkpoint_moves_between_ep_degrees(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole_state", "sharded_optimizer_state"])
+def test_ep_checkpoint_moves_between_ep_degrees(tmp_path, sharded):
     """A checkpoint written at ep=2 (each rank writing its block of the experts once, the first of
-    its replicas) resumes at ep=2, at ep=1 and at ep=4, partial and full, and the last 2 steps
-    then give the uninterrupted run's model: the experts' blocks and their Adam state are stored
-    in global coordinates."""
-    results, moved_by_two = run_ranks(_ep_checkpoint, 4, str(tmp_path), timeout=600)[0]
+    its replicas; with sharded optimizer state each replica its chunk of the block's state)
+    resumes at ep=2, at ep=1 and at ep=4, partial and full, and the last 2 steps then give the
+    uninterrupted run's model: the experts' blocks and their Adam state are stored in global
+    coordinates."""
+    results, moved_by_two = run_ranks(_ep_checkpoint, 4, str(tmp_path), sharded, timeout=600)[0]
     assert moved_by_two > 100 * TOL
     for ep, partial, error, moved in results:
         assert error < TOL and moved > 100 * TOL, (ep, partial, error, moved)

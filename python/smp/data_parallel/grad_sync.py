@@ -377,9 +377,9 @@ class GradSync:
         for shard in reversed(self._shards):
             kept = [p for p in shard.params if id(p) in self._sharded_ids]
             order = sorted(kept, key=lambda p: shard.offset_of[id(p)], reverse=True)
-            for group in split_into_buckets(order, self._cap_bytes):
+            for group in split_into_buckets(order, self._cap_bytes, self._is_expert):
                 lo, hi = shard.offset_of[id(group[-1])], shard.offset_of[id(group[0])] + group[0].numel()
-                buckets.append(Bucket(group, None, lo, hi, None, shard))
+                buckets.append(Bucket(group, None, lo, hi, None, shard, experts=self._is_expert(group[0])))
         if self._dp_size > 1:
             for buffer in reversed(self._buffers):
                 offset_of = {id(p): off for p, off in zip(buffer.params, buffer.offsets, strict=True)}

@@ -9,10 +9,11 @@ from collections.abc import Callable
 
 import torch
 
+from smp import params as param_facts
 from smp.data_parallel.grad_sync import GradSync
 from smp.gradients.state import GradientState
 from smp.optim import grad_norm
-from smp.optim.flat_state import FlatState, fuse_where_unset
+from smp.optim.flat_state import Comm, FlatState, fuse_where_unset
 
 
 class FlatGradients(GradientState):
@@ -49,8 +50,13 @@ class FlatGradients(GradientState):
         optimizer, groups = self.optimizer, self.groups
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p.requires_grad]
-        ranks = list(groups.rdp_ranks) if self.sharded else [groups.rank]
-        self._flat = FlatState(optimizer, groups.rdp, ranks, self._shard_grads)
+        whole = Comm.of(None, [groups.rank])
+        comm = Comm.of(groups.rdp, groups.rdp_ranks) if self.sharded else whole
+        # Expert parameters differ across an ep group: cut across the replicas holding the same.
+        experts = None
+        if groups.ep_size > 1:
+            experts = Comm.of(groups.ep_replica, groups.ep_replica_ranks) if self.sharded else whole
+        self._flat = FlatState(optimizer, comm, self._shard_grads, experts, param_facts.is_expert)
         if self._flat.groups:
             fuse_where_unset(optimizer, self._flat.groups[0].master.device)
         if self._sync is None:

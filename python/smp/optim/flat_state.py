@@ -16,6 +16,11 @@ buffers, in place. Without sharding (R = 1) the same code holds fp32 master weig
 bf16/fp16 training.
 Element-wise optimizers (SGD, Adam, AdamW, ...) update a flat chunk exactly as they
 update the separate parameters.
+
+Expert parallelism: a rank's experts are not the other data-parallel ranks' experts, so a param
+group's expert parameters are flattened apart (a second flat buffer, a second chunk in the same
+torch param group) and cut across the replicas holding the same experts (the ep replica group),
+not across all of data parallelism; the rest as above.
 """
 
 from __future__ import annotations
@@ -34,8 +39,32 @@ from smp.data_parallel.buffers import attach_grad
 from smp.optim import grad_norm
 
 
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """The ranks a flat buffer is cut across: `ranks` (global, in order: the broadcasts' sources)
+    over `group`; one rank keeps it whole."""
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None, ranks) -> Comm:
+        ranks = tuple(ranks)
+        return cls(group if len(ranks) > 1 else None, ranks)
+
+    @property
+    def size(self) -> int:
+        return max(1, len(self.ranks))
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank()) if len(self.ranks) > 1 else 0
+
+
 @dataclasses.dataclass
 class _FlatGroup:
+    comm: Comm
+    param_group: int  # the torch param group it belongs to
     params: list[nn.Parameter]
     offsets: list[int]  # start of each parameter in the flat buffers
     numel: int  # without padding
@@ -85,39 +114,34 @@ class FlatState:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        group: dist.ProcessGroup | None,
-        ranks: list[int],
+        comm: Comm,
         shard_grads: bool = False,
+        experts: Comm | None = None,
+        is_expert: Callable[[nn.Parameter], bool] = lambda p: False,
     ):
+        """`comm`: the ranks each flat buffer is cut across; `experts`: those of the expert
+        parameters (`is_expert`), flattened apart (None: no experts)."""
         if any(optimizer.state.values()):
             raise RuntimeError(
                 "smp: the optimizer already holds state (it stepped before the model's first step); "
                 "with shard_optimizer_state, bf16 or fp16 build it from model.parameters() and step it "
                 "only through smp.DistributedOptimizer"
             )
-        self._group = group if len(ranks) > 1 else None
-        self._ranks = ranks  # global ranks: the sources of the broadcasts
-        self._size = len(ranks)
-        self._rank = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
+        self._order: list[list[nn.Parameter]] = []  # each param group's parameters, as given
         self.groups: list[_FlatGroup] = []
-        for param_group in optimizer.param_groups:
+        for g, param_group in enumerate(optimizer.param_groups):
             params = list(param_group["params"])
-            offsets, total = [], 0
-            for p in params:
-                offsets.append(total)
-                total += p.numel()
-            chunk = max(1, math.ceil(total / self._size))
-            lo = self._rank * chunk
-            values = _flatten(params, offsets, chunk * self._size)
-            master = values[lo : lo + chunk]
-            master = nn.Parameter(master if values.dtype == torch.float32 else master.float())
-            grads = None if shard_grads else torch.zeros_like(values, dtype=torch.float32)
-            flat = _FlatGroup(params, offsets, total, chunk, lo, values, master, grads)
-            if shard_grads:
-                master.grad = torch.zeros_like(master)  # the chunk's gradient, filled by GradSync
-            flat.attach_grads()  # in fp32, takes in the gradients of the step that built the state
-            param_group["params"] = [flat.master]
-            self.groups.append(flat)
+            self._order.append(params)
+            parts = [(comm, [p for p in params if not is_expert(p)])]
+            if experts is not None:
+                parts.append((experts, [p for p in params if is_expert(p)]))
+            masters = []
+            for part_comm, part in parts:
+                if part or len(parts) == 1:  # (a group without experts keeps its one buffer)
+                    flat = _flat_group(part_comm, g, part, shard_grads)
+                    masters.append(flat.master)
+                    self.groups.append(flat)
+            param_group["params"] = masters
         optimizer.state.clear()
 
     # --- gradients --------------------------------------------------------------------
@@ -165,75 +189,104 @@ class FlatState:
         """Puts the updated chunks into the parameters: each rank's chunk is broadcast from it into
         the others' flat buffers, in place (Gloo's all-gather would gather into a buffer of its own
         and copy that out: twice the time, and page faults)."""
-        works = []
-        where = faults.group_of("reduced-data-parallel", self._group)
         operation = "optimizer publish (broadcast of each rank's updated chunk of the parameters)"
-        with torch.no_grad(), faults.waiting(operation, where):
+        with torch.no_grad():
             for flat in self.groups:
-                if not flat.params:
-                    continue
-                if flat.master_is_copy:
+                if flat.params and flat.master_is_copy:
                     flat.values[flat.lo : flat.lo + flat.chunk].copy_(flat.master)
-                if self._group is None:
-                    continue
-                for r, src in enumerate(self._ranks):
-                    part = flat.values[r * flat.chunk : (r + 1) * flat.chunk]
-                    works.append(dist.broadcast(part, src=src, group=self._group, async_op=True))
-            for work in works:
-                work.wait()
+            for comm in dict.fromkeys(f.comm for f in self.groups if f.params and f.comm.group is not None):
+                works = []
+                with faults.waiting(operation, faults.group_of("reduced-data-parallel", comm.group)):
+                    for flat in self.groups:
+                        if flat.comm != comm or not flat.params:
+                            continue
+                        for r, src in enumerate(comm.ranks):
+                            part = flat.values[r * flat.chunk : (r + 1) * flat.chunk]
+                            works.append(dist.broadcast(part, src=src, group=comm.group, async_op=True))
+                    for work in works:
+                        work.wait()
 
     # --- state dicts --------------------------------------------------------------------
 
     def full_state(self, sharded: dict) -> dict:
         """The wrapped optimizer's state_dict as if it had stepped the parameters themselves
         (one entry per local parameter, full tensors), gathered from every rank's chunk."""
-        state, index = {}, 0
-        groups = []
-        for i, flat in enumerate(self.groups):
-            chunk_state = sharded["state"].get(i, {})
-            gathered = {k: self._gather(v, flat) for k, v in chunk_state.items()}
-            ids = []
+        per_param: dict[int, dict] = {}  # id(param) -> its state
+        for j, flat in enumerate(self.groups):  # state index j: the j-th chunk of the param groups
+            gathered = {k: self._gather(v, flat) for k, v in sharded["state"].get(j, {}).items()}
             for p, off in zip(flat.params, flat.offsets, strict=True):
-                state[index] = {
-                    k: (v[off : off + p.numel()].view_as(p).clone() if _is_chunk(v, flat, self._size) else v)
+                per_param[id(p)] = {
+                    k: (
+                        v[off : off + p.numel()].view_as(p).clone()
+                        if _is_chunk(v, flat, flat.comm.size)
+                        else v
+                    )
                     for k, v in gathered.items()
                 }
+        state, groups, index = {}, [], 0
+        for g, params in enumerate(self._order):
+            ids = []
+            for p in params:
+                state[index] = per_param[id(p)]
                 ids.append(index)
                 index += 1
-            groups.append({**sharded["param_groups"][i], "params": ids})
+            groups.append({**sharded["param_groups"][g], "params": ids})
         return {"state": state, "param_groups": groups}
 
     def chunk_state(self, full: dict) -> dict:
         """The inverse of full_state: this rank's chunk of a per-parameter state_dict."""
-        state, groups, index = {}, [], 0
-        for i, flat in enumerate(self.groups):
-            per_param = [full["state"].get(index + j, {}) for j in range(len(flat.params))]
+        index_of, index = {}, 0
+        for params in self._order:
+            for p in params:
+                index_of[id(p)] = index
+                index += 1
+        state, masters = {}, [[] for _ in self._order]
+        for j, flat in enumerate(self.groups):
+            masters[flat.param_group].append(j)
+            per_param = [full["state"].get(index_of[id(p)], {}) for p in flat.params]
             keys = {k for s in per_param for k in s}
             chunk_state = {}
             for k in keys:
                 values = [s.get(k) for s in per_param]
                 pairs = zip(values, flat.params, strict=True)
                 if all(isinstance(v, torch.Tensor) and v.shape == p.shape for v, p in pairs):
-                    whole = torch.zeros(flat.chunk * self._size, dtype=values[0].dtype)
+                    whole = torch.zeros(flat.chunk * flat.comm.size, dtype=values[0].dtype)
                     for v, off in zip(values, flat.offsets, strict=True):
                         whole[off : off + v.numel()] = v.reshape(-1).cpu()
                     chunk_state[k] = whole[flat.lo : flat.lo + flat.chunk].to(flat.master.device).clone()
                 else:
                     chunk_state[k] = next(v for v in values if v is not None)
             if chunk_state:
-                state[i] = chunk_state
-            index += len(flat.params)
-            groups.append({**full["param_groups"][i], "params": [i]})
+                state[j] = chunk_state
+        groups = [{**full["param_groups"][g], "params": ids} for g, ids in enumerate(masters)]
         return {"state": state, "param_groups": groups}
 
     def _gather(self, value, flat: _FlatGroup):
         if not _is_chunk(value, flat, 1):
             return value
-        if self._group is None:
+        if flat.comm.group is None:
             return value.detach().cpu()
-        full = torch.empty(flat.chunk * self._size, dtype=value.dtype, device=value.device)
-        dist.all_gather_into_tensor(full, value.detach().contiguous(), group=self._group)
+        full = torch.empty(flat.chunk * flat.comm.size, dtype=value.dtype, device=value.device)
+        dist.all_gather_into_tensor(full, value.detach().contiguous(), group=flat.comm.group)
         return full.cpu()
+
+
+def _flat_group(comm: Comm, param_group: int, params: list[nn.Parameter], shard_grads: bool) -> _FlatGroup:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    chunk = max(1, math.ceil(total / comm.size))
+    lo = comm.rank * chunk
+    values = _flatten(params, offsets, chunk * comm.size)
+    master = values[lo : lo + chunk]
+    master = nn.Parameter(master if values.dtype == torch.float32 else master.float())
+    grads = None if shard_grads else torch.zeros_like(values, dtype=torch.float32)
+    flat = _FlatGroup(comm, param_group, params, offsets, total, chunk, lo, values, master, grads)
+    if shard_grads:
+        master.grad = torch.zeros_like(master)  # the chunk's gradient, filled by GradSync
+    flat.attach_grads()  # in fp32, takes in the gradients of the step that built the state
+    return flat
 
 
 # torch's optimizers whose fused kernels update a flat chunk in place with no temporaries.

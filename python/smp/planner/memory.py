@@ -33,9 +33,11 @@ every cp rank; what is sharded over the data replicas (the optimizer state and Z
 sdp's shards) is sharded over their cp ranks too: rdp x cp ranks (sdp: sdp x cp).
 Expert parallelism (ep = N, a mixture of experts): each rank holds E/N whole experts of every MoE
 layer, so the experts' parameters, fp32 gradients, masters and optimizer state are 1/N (the rest as
-above, replicated); an ep layout's all-to-all keeps a send and a receive buffer of top_k x tokens x
-hidden (one MoE layer's dispatch) beside the saved activations, which hold the dispatched tokens
-(model_facts / moe_facts: top_k x hidden per token and MoE layer) at any ep.
+above, replicated; with shard_optimizer_state the experts' state is cut across the rdp/N replicas
+holding the same experts, the rest across rdp); an ep layout's all-to-all keeps a send and a
+receive buffer of top_k x tokens x hidden (one MoE layer's dispatch) beside the saved activations,
+which hold the dispatched tokens (model_facts / moe_facts: top_k x hidden per token and MoE layer)
+at any ep.
 SMP v1 (runtime "smp_v1", the implementation the seed's reference table was measured on) kept
 bf16/fp16 gradients in the parameters' dtype and reduced them in place: see Runtime below.
 The peak is parameters + optimizer state + the larger of the backward (gradients being
@@ -196,7 +198,8 @@ def _stage(
     if layout.sdp > 1:
         state = _sharded_state(facts, layout, stage, p)
     else:
-        state = _replicated_state(layout, runtime, p)
+        experts = stage_experts(facts, layout, stage) if layout.ep > 1 else 0.0
+        state = _replicated_state(layout, runtime, p, experts)
     saved, recompute, working, comm = _activation_terms(facts, layout, workload, stage, mb)
     comm += state.reduce_scatter
     backward = state.accumulation + state.gathered + saved + recompute + working + comm
@@ -234,10 +237,13 @@ class _ModelState:
     reduce_scatter: float = 0.0  # sdp: a layer's fp32 gradient being reduce-scattered
 
 
-def _replicated_state(layout: Layout, runtime: Runtime, p: float) -> _ModelState:
+def _replicated_state(layout: Layout, runtime: Runtime, p: float, experts: float = 0.0) -> _ModelState:
     """Whole parameters; the optimizer state (and, ZeRO-2, the gradients) of 1/rdp of them with
-    shard_optimizer_state."""
-    chunk = p / (layout.dp_cp if layout.shard_optimizer_state else 1)  # this rank's optimizer chunk
+    shard_optimizer_state. `experts`: of p, this rank's experts (ep), whose state is cut across the
+    rdp/ep replicas holding the same experts instead."""
+    chunk = p  # this rank's optimizer chunk
+    if layout.shard_optimizer_state:
+        chunk = (p - experts) / layout.dp_cp + experts / (layout.rdp // layout.ep)
     accumulation, at_step, buckets = _gradient_terms(layout, runtime, p, chunk)
     return _ModelState(
         parameters=p * compute_bytes(layout),

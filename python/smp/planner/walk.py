@@ -9,8 +9,9 @@ time (step_time.py). The seed stopped at the first configuration that fits; that
    ("group_2": fewer inputs kept, a larger region recomputed). Later steps keep "each", the
    seed's reference choice.
 3a. Expert parallelism, for a mixture of experts whose replicated experts do not fit (the layout
-   so far without a sharded optimizer state, which smp refuses with ep): ep = 2, 4, ... (powers of
-   two dividing rdp and the experts per layer), raised until one fits; each rank holds E/ep of every
+   so far, its sharded optimizer state kept): ep = 2, 4, ... (powers of
+   two dividing rdp and the experts per layer), each evaluated (more ep, fewer expert replicas to
+   average: the fastest that fits is not always the first); each rank holds E/ep of every
    MoE layer's experts. Before sdp, tensor and pipeline parallelism, which smp refuses with ep: they
    start from the layout without ep, ranked beside it.
 4. Split the model's state, where SMP's later best practice put sharded data parallelism first:
@@ -295,7 +296,7 @@ def _expert_parallel(w: Walk, layout: Layout) -> Layout:
     on without it."""
     if not w.facts.experts:
         return layout  # a dense model: nothing to say
-    base = layout.replace(shard_optimizer_state=False, shard_gradients=None)
+    base = layout
     replicated = w.probe(base)
     if replicated is not None and replicated.fits:
         w.notes.append(f"{EP_STEP}: skipped (the experts fit replicated: {replicated.reason})")
@@ -307,13 +308,11 @@ def _expert_parallel(w: Walk, layout: Layout) -> Layout:
             f"{w.facts.experts} experts)"
         )
         return layout
-    for n in degrees:
-        if w.attempt(f"{EP_STEP} {n}", base.replace(ep=n)):
-            break
-    else:
+    fits = [w.attempt(f"{EP_STEP} {n}", base.replace(ep=n)) for n in degrees]  # each ranked
+    if not any(fits):
         w.notes.append(
-            f"{EP_STEP}: none fits up to ep={degrees[-1]} (smp refuses a sharded optimizer state, sdp, "
-            "tp and pp with ep); the next steps start from the layout without ep"
+            f"{EP_STEP}: none fits up to ep={degrees[-1]} (smp refuses sdp, tp and pp with ep); the "
+            "next steps start from the layout without ep"
         )
     return layout
 
