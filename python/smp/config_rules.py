@@ -197,10 +197,7 @@ def _cuda_graph_message(c) -> str:
 
 def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
-    refused = [f"{k}={getattr(c, k)}" for k in (*_DEGREES, "context_parallel_degree") if getattr(c, k) != 1]
-    if c.compile is not None:
-        refused.append("compile")
-    return refused
+    return [f"{k}={getattr(c, k)}" for k in (*_DEGREES, "context_parallel_degree") if getattr(c, k) != 1]
 
 
 def _sdp(c) -> str:

@@ -250,7 +250,10 @@ def _train(rank, world, case, ep, clip, extra=None):
     ref_expert_numel = sum(ref_params[n].numel() for n in rows)
     flat = opt.flat_state  # sharded optimizer state: the elements of this rank's chunks
     chunks = sum(f.master.numel() for f in flat.groups) if flat is not None else 0
+    from smp.engine import compiled
+
     return {
+        "compiles": compiled.compiles(),
         "state_share": chunks / sum(t.numel() for t in ref_params.values()),
         "grads_kept": grads_kept,
         "loss_err": loss_err,
@@ -317,15 +320,22 @@ def test_parity_with_one_process(case, world, ep, clip):
         ({"checkpoint": True}, 2, None),
         ({"config": {"shard_optimizer_state": True}, "case": "mixtral"}, 4, 0.5),
         ({"config": {"shard_optimizer_state": True, "shard_gradients": True}, "case": "mixtral"}, 4, 0.5),
+        ({"config": {"compile": True}, "case": "mixtral"}, 2, None),
     ],
-    ids=["microbatches2", "activation_checkpointing", "sharded_optimizer_state", "sharded_gradients"],
+    ids=[
+        "microbatches2",
+        "activation_checkpointing",
+        "sharded_optimizer_state",
+        "sharded_gradients",
+        "compile",
+    ],
 )
 def test_parity_composed(extra, world, clip):
     """ep=2 with microbatches (the exchange per microbatch, gradients accumulated), with every
     decoder layer recomputed in backward (the exchange runs again), and with the optimizer state
     sharded (4 ranks, clipped: the experts' state cut across the 2 replicas holding them, the rest
-    across all 4), also with only each rank's chunk of the gradients kept (ZeRO-2), against one
-    process."""
+    across all 4), also with only each rank's chunk of the gradients kept (ZeRO-2), and compiled
+    (the exchange runs between the compiled graphs), against one process."""
     case = extra.get("case", "mixtral_noaux" if "config" in extra else "mixtral")
     results = run_ranks(_train, world, case, 2, clip, extra, timeout=600)
     print({k: max(r[k] for r in results) for k in ("loss_err", "grad_err", "param_err", "norm_err")})
@@ -336,6 +346,8 @@ def test_parity_composed(extra, world, clip):
         assert r["expert_calls"] == STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
         for key in ("loss_err", "grad_err", "norm_err", "param_err", "state_err"):
             assert r[key] < TOL, (key, r)
+    if extra.get("config", {}).get("compile"):  # the layers around the exchange, compiled
+        assert all(r["compiles"] > 0 for r in results), results
     if extra.get("config", {}).get("shard_optimizer_state"):
         # Each rank steps 1/4 of the model's elements (experts: half of its half), padding aside.
         assert [r["state_share"] for r in results] == pytest.approx([1 / world] * world, rel=1e-3)

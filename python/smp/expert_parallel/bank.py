@@ -4,6 +4,10 @@ The module keeps its class, its names and its gate (transformers' `_apply_gate`,
 banks become this rank's block of experts (rows [rank * local, (rank + 1) * local) of dim 0) and
 its forward becomes: smp::moe_dispatch (each (token, expert) pair to the rank holding the expert),
 this rank's experts on the pairs they received, smp::moe_combine (outputs back, weighted, summed).
+
+Under `compile` that forward runs eagerly between the compiled graphs (torch.compiler.disable):
+how many pairs arrive is known only once the counts are exchanged, and AOTAutograd's trace of the
+ops' backward would read the routes' host data.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def keep_local_experts(module: nn.Module, banks: tuple[str, ...], piece: ExpertS
     return moved
 
 
+@torch.compiler.disable  # (see the module's docstring: compile)
 def _exchanging_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:

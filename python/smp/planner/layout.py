@@ -239,7 +239,7 @@ def _divisors(n: int) -> list[int]:
 def ep_problem(layout: Layout, experts: int | None = None) -> str:
     """Why `layout`'s expert parallel degree cannot run ("" where it can), with the fix: ep blocks
     of data replicas divide every MoE layer's `experts` (None: not checked) among them. smp.init
-    refuses ep with pp, tp, cp and compile (smp.config says so for an
+    refuses ep with pp, tp and cp (smp.config says so for an
     explicit layout); sdp is the planner's own key, checked here."""
     e = layout.ep
     if e == 1:
