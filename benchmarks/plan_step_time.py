@@ -7,7 +7,8 @@ layout:
 1. both ranks at once measure the CPU processes as a hardware description (smp.planner.hardware):
    the matmul rate in fp32 and bf16 (a linear layer's forward, input- and weight-gradient products
    at two shapes), the bytes per second of a chain of elementwise products of [512, 1024] tensors
-   whose outputs stay alive (as a forward's activations do), the time a dispatched operation
+   whose outputs stay alive (as a forward's activations do), what an element of tanh and exp costs
+   beyond that traffic (chains alike), the time a dispatched operation
    costs (a chain of tiny multiplications, forward and backward, per the planner's count of
    1 + 1.6 operations), and the all-reduce between the two processes, each call after some
    compute as a step makes them (its time at 4 KiB is the latency, the added time to 4 MiB the
@@ -79,7 +80,8 @@ def facts() -> dict:
         "fp32": _matmul_rate(torch.float32),
         "bf16": _matmul_rate(torch.bfloat16),
         "fp16": _matmul_rate(torch.float16, shapes=((256, 256, 256),)),  # slow on CPUs; unused here
-        "memory": _elementwise_rate(),
+        "memory": (memory := _elementwise_rate()),
+        "transcendental": _transcendental_cost(memory),
         "op": _op_cost(),
         "all_reduce": _all_reduce(),
     }
@@ -134,6 +136,28 @@ def _elementwise_rate() -> float:
             kept.append(x)
 
     return depth * 3 * a.numel() * 4 / _best(chain)
+
+
+def _transcendental_cost(memory_rate: float) -> float:
+    """Seconds an element of tanh and exp (the mean) costs beyond the memory traffic the
+    elementwise rate already counts for it (a read and a write of 4 bytes), on chains like
+    _elementwise_rate's."""
+    import torch
+
+    a = torch.randn(512, 1024) * 0.1
+    depth = 16
+
+    def chain(op):
+        def run():
+            kept, x = [], a
+            for _ in range(depth):
+                x = op(x)
+                kept.append(x)
+
+        return run
+
+    per_element = statistics.mean(_best(chain(op)) / (depth * a.numel()) for op in (torch.tanh, torch.exp))
+    return max(0.0, per_element - 2 * 4 / memory_rate)
 
 
 def _op_cost() -> float:
@@ -211,6 +235,7 @@ def describe(ranks: list[dict], best: bool = False) -> dict:
         "intra_node_step_latency_us": 0.0,
         "inter_node_step_latency_us": 0.0,
         "kernel_overhead_us": least([r["op"] for r in ranks]) * 1e6,
+        "transcendental_ns": least([r["transcendental"] for r in ranks]) * 1e9,
         "sustained_fraction": 1.0,
         "overlap": False,  # two busy processes on two cores: nothing runs beside the compute
     }

@@ -183,3 +183,32 @@ def test_the_layout_takes_smps_own_default_of_microbatches_in_flight(monkeypatch
     assert Layout(pp=4, microbatches=16).active == 6 and Layout(pp=4, microbatches=3).active == 3
     monkeypatch.setattr(smp_config.Config, "num_active_microbatches", property(lambda c: 1))
     assert Layout(pp=4, microbatches=16).active == 1  # read from smp.config, not recomputed
+
+
+def test_transcendental_work_costs_a_cpu_core_per_element():
+    """A module's exp/tanh/log/softmax elements are counted per part (measured_facts.py): GPT-2's
+    gelu_new (tanh over [seq, 4 hidden]) in each layer's forward, its loss's log-softmax over the
+    logits forward and (exp of it) backward; each costs the hardware's transcendental_ns, cut
+    like the layer's bytes under TP (the loss vocabulary-parallel), and nothing where it is 0."""
+    from smp.planner import measured_facts
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_positions=SEQ, n_embd=H, n_layer=2, n_head=HEADS)
+    facts = measured_facts.from_module(lambda: GPT2LMHeadModel(config), SEQ)
+    assert facts.layer_transcendental == SEQ * 4 * H  # tanh, forward
+    assert facts.layer_transcendental_backward == 0  # tanh's backward reads its saved output
+    assert facts.head_transcendental == 2 * SEQ * 512  # log-softmax forward, and exp backward
+    with pytest.raises(ValueError, match="transcendental_ns must be a positive number"):
+        hardware.load({**HAND, "transcendental_ns": -1})
+    plain = hardware.load(HAND)  # without the field: 0, as on a GPU
+    slow = dataclasses.replace(plain, transcendental_ns=5.0)
+    elements = 2 * facts.layer_transcendental + facts.head_transcendental  # two layers and the head
+    added = {}
+    for tp in (1, 2):
+        layout = Layout(tp=tp, rdp=1)
+        job = memory.Workload(SEQ, 1, tp, 8, 80 * 2**30, plain)
+        base = step_time.estimate(facts, layout, job).total
+        added[tp] = step_time.estimate(facts, layout, dataclasses.replace(job, hardware=slow)).total - base
+    assert added[1] == pytest.approx(elements * 5e-9, rel=1e-6)
+    # TP: the loss's half exactly; the layers' tanh as their cut bytes (the MLP's, mostly).
+    assert elements / 2 * 5e-9 < added[2] < 0.6 * added[1]

@@ -99,6 +99,13 @@ class ModelFacts:
     # sample, in the module's dtype (4-byte floats), where measured on a module (0: estimated from
     # the saved activations, stage_work.py).
     layer_traffic: float = 0.0
+    # Elements of transcendental operations (exp, tanh, log, erf, sigmoid, softmax) per sample: a
+    # layer's forward and its backward, and the head side's (loss included) forward and backward
+    # together, where measured on a module (measured_facts.py; 0: not counted). They cost a CPU
+    # core time beyond their memory traffic (Hardware.transcendental_ns).
+    layer_transcendental: float = 0.0
+    layer_transcendental_backward: float = 0.0
+    head_transcendental: float = 0.0
     # A mixture of experts (0 experts: dense). `layer` then holds what is not a routed expert
     # (attention, norms, router, shared experts, the dense layers' MLPs: the average per layer);
     # `expert` is one routed expert's parameters, E of them in each of `moe_layers` layers.

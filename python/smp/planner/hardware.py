@@ -45,6 +45,10 @@ class Hardware:
     sustained_fraction: float
     overlap: bool  # whether communication runs beside compute (its own engines or cores)
     sources: str = ""
+    # Nanoseconds an element of a transcendental operation (exp, tanh, log, erf, sigmoid, softmax)
+    # costs beyond its memory traffic: a CPU core computes them at a few ns an element; a GPU's
+    # special-function units keep them memory-bound (0: not counted). Optional in a file.
+    transcendental_ns: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """FLOP/s a large matmul sustains in a training step in `dtype` (bf16, fp16, fp32)."""
@@ -61,6 +65,7 @@ class Hardware:
         return out
 
 
+_OPTIONAL = ("transcendental_ns",)
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
 _FIXES = {
     "peak_tflops": '{"bf16": 312, "fp16": 312, "fp32": 19.5}',
@@ -108,7 +113,7 @@ def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:
         close = difflib.get_close_matches(unknown[0], _FIELDS, n=1, cutoff=0.6)
         fix = f"did you mean '{close[0]}'?" if close else f"the fields are {', '.join(_FIELDS)}"
         raise ValueError(f"smp.plan: {source} has an unknown field '{unknown[0]}'; {fix}")
-    missing = [k for k in _FIELDS if k not in data]
+    missing = [k for k in _FIELDS if k not in data and k not in _OPTIONAL]
     if missing:
         example = _FIXES.get(missing[0], "a number")
         raise ValueError(
@@ -121,7 +126,7 @@ def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:
             f"smp.plan: {source}: peak_tflops must give a positive number for each of {', '.join(DTYPES)}, "
             f"got {peak!r}; write e.g. {_FIXES['peak_tflops']}"
         )
-    numbers = {k: _number(source, k, data[k]) for k in _FIELDS if k not in _NOT_NUMBERS}
+    numbers = {k: _number(source, k, data[k]) for k in _FIELDS if k not in _NOT_NUMBERS and k in data}
     for k in ("matmul_efficiency", "memory_efficiency", "link_efficiency", "sustained_fraction"):
         if not 0 < numbers[k] <= 1:
             raise ValueError(f"smp.plan: {source}: {k} must be a fraction in (0, 1], got {data[k]!r}")
@@ -146,6 +151,7 @@ def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:
         sustained_fraction=numbers["sustained_fraction"],
         overlap=_flag(source, data["overlap"]),
         sources=str(data.get("sources", "")),
+        transcendental_ns=numbers.get("transcendental_ns", 0.0),
     )
 
 
@@ -163,6 +169,7 @@ _MAY_BE_ZERO = (
     "collective_latency_us",
     "intra_node_step_latency_us",
     "inter_node_step_latency_us",
+    "transcendental_ns",
 )
 
 

@@ -51,6 +51,11 @@ def memory_pass(hw: Hardware, nbytes: float, kernels: float = 0.0) -> float:
     return nbytes / _memory_bandwidth(hw) + kernels * hw.kernel_overhead_us * 1e-6
 
 
+def transcendental(hw: Hardware, elements: float) -> float:
+    """Seconds `elements` of exp, tanh, log, ... cost beyond their memory traffic."""
+    return elements * hw.transcendental_ns * 1e-9
+
+
 def _memory_bandwidth(hw: Hardware) -> float:
     return hw.memory_rate()
 

@@ -88,6 +88,9 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
         eager_attention=run.scores_saved,
         layer_ops=run.layer_ops // n,
         layer_traffic=run.layer_traffic / n,
+        layer_transcendental=run.transcendental["layer"][0] / n,
+        layer_transcendental_backward=run.transcendental["layer"][1] / n,
+        head_transcendental=sum(run.transcendental["after"]),
         experts=moe.experts if moe else 0,
         top_k=moe.top_k if moe else 0,
         moe_layers=moe.moe_layers if moe else 0,
@@ -146,6 +149,8 @@ class _Recorder:
         self.scores_saved = False  # a layer saved a [.., seq, seq] tensor: eager attention
         self.layer_ops = 0  # ATen operations the layers dispatched
         self.layer_traffic = 0  # bytes their elementwise operations read and wrote
+        # Per part, [forward, backward] elements of transcendental operations (_TRANSCENDENTAL).
+        self.transcendental = {"before": [0, 0], "layer": [0, 0], "after": [0, 0]}
         self.seq_len = 0
         self.params: dict[str, list[nn.Parameter]] = {"before": [], "after": []}
         self._seen: set[int] = set()
@@ -218,9 +223,26 @@ _MATMULS = {
 }
 
 
+# Transcendental operations: elements per output element their forward and their backward compute
+# (exp/log/erf/sigmoid): log_softmax's backward takes exp of its output, gelu's and silu's their
+# derivative's; tanh's, sigmoid's, exp's and softmax's backward use the saved output only.
+_TRANSCENDENTAL = {
+    "exp": (1, 0),
+    "tanh": (1, 0),
+    "sigmoid": (1, 0),
+    "log": (1, 0),
+    "erf": (1, 1),
+    "_softmax": (1, 0),
+    "_log_softmax": (1, 1),
+    "gelu": (1, 1),
+    "silu": (1, 1),
+}
+
+
 class _OpCounter(TorchDispatchMode):
-    """Counts the ATen operations dispatched while a layer runs, and the bytes those that are
-    neither views nor matmuls read and write (above the fake mode: each call goes on to it)."""
+    """Counts the ATen operations dispatched while a layer runs, the bytes those that are
+    neither views nor matmuls read and write, and each part's transcendental elements (above the
+    fake mode: each call goes on to it)."""
 
     def __init__(self, recorder: _Recorder):
         super().__init__()
@@ -228,6 +250,11 @@ class _OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        costs = _TRANSCENDENTAL.get(func.overloadpacket.__name__.rstrip("_"))
+        if costs is not None and isinstance(out, torch.Tensor):
+            counts = self.recorder.transcendental[self.recorder.part]
+            counts[0] += costs[0] * out.numel()
+            counts[1] += costs[1] * out.numel()
         if self.recorder.part == "layer" and func.namespace == "aten":  # not prim's device queries
             self.recorder.layer_ops += 1
             if not func.is_view and func.overloadpacket.__name__ not in _MATMULS:

@@ -15,6 +15,11 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   writes and reads the gradients: 1.5 times the forward's bytes. Each dispatched operation pays the
   hardware's per-kernel overhead (forward: the layer's ATen operations; backward: 1.6 times as
   many, as measured on Hugging Face GPT-2 and Llama blocks).
+- Transcendental operations (exp, tanh, log, erf, sigmoid, softmax), where measured on a module:
+  each element costs the hardware's `transcendental_ns` beyond its memory traffic (a CPU core: a
+  few ns; a GPU: 0, its special-function units keep them memory-bound): a layer's forward and
+  backward elements, cut as its bytes; the head side's (the loss over the logits) once per
+  microbatch, vocabulary-parallel under TP.
 - Checkpointed layers run their forward once more in the backward (matmuls, kernels and TP
   collectives).
 - Context parallelism (cp = C): every rank runs 1/C of each sequence's tokens, so its matmuls,
@@ -101,6 +106,9 @@ def rank_work(
         backward = backward + _saved_traffic(facts.saved_before, layout, hw, mb, backward=True)
     if last:
         head_f, head_b = _head(facts, layout, hw, tokens)
+        # The loss's exp and log over the logits (vocabulary-parallel under TP), forward and backward.
+        loss = kernels.transcendental(hw, facts.head_transcendental * mb / (layout.tp * layout.cp))
+        head_f = head_f + Pass(memory=loss)
         forward = forward + head_f + _saved_traffic(facts.saved_after, layout, hw, mb)
         backward = backward + head_b + Pass(tp_comm=tp_one)
         backward = backward + _saved_traffic(facts.saved_after, layout, hw, mb, backward=True)
@@ -135,8 +143,13 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
         elem, saved = compute_bytes(layout), facts.saved_layer
         share = saved.per_rank(elem, tp) / max(saved.per_rank(elem, 1), 1.0)
         nbytes = facts.layer_traffic * elem / 4 * share * mb / layout.cp
-        f_mem = kernels.memory_pass(hw, nbytes, ops)
-        b_mem = kernels.memory_pass(hw, BACKWARD_TRAFFIC / FORWARD_TRAFFIC * nbytes, ops * BACKWARD_OPS)
+        per_rank = share * mb / layout.cp  # (the transcendental work is cut as the bytes)
+        f_mem = kernels.memory_pass(hw, nbytes, ops) + kernels.transcendental(
+            hw, facts.layer_transcendental * per_rank
+        )
+        b_mem = kernels.memory_pass(
+            hw, BACKWARD_TRAFFIC / FORWARD_TRAFFIC * nbytes, ops * BACKWARD_OPS
+        ) + kernels.transcendental(hw, facts.layer_transcendental_backward * per_rank)
         return Pass(fwd + attn_f, f_mem, two), Pass(bwd + attn_b, b_mem, two)
     forward = Pass(fwd + attn_f, tp_comm=two) + _saved_traffic(facts.saved_layer, layout, hw, mb, ops=ops)
     backward = Pass(bwd + attn_b, tp_comm=two)
