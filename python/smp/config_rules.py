@@ -197,7 +197,8 @@ def _cuda_graph_message(c) -> str:
 
 def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
-    return [f"{k}={getattr(c, k)}" for k in (*_DEGREES, "context_parallel_degree") if getattr(c, k) != 1]
+    refused = ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree")
+    return [f"{k}={getattr(c, k)}" for k in refused if getattr(c, k) != 1]
 
 
 def _sdp(c) -> str:

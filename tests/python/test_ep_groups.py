@@ -58,7 +58,6 @@ def test_ep_degree_must_divide_the_data_parallel_degree():
     [
         ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
         ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2"),
-        ({"sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree=2"),
     ],
 )
 def test_layouts_ep_does_not_serve_yet_are_refused(extra, named):

@@ -162,6 +162,13 @@ def _reference(build, clip):
     return losses, grads, params, moved, aux, norm
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A value as this rank holds it whole (sdp's DTensor shards gathered: a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _train(rank, world, case, ep, clip, extra=None):
     import smp
     import torch.distributed as dist
@@ -220,7 +227,7 @@ def _train(rank, world, case, ep, clip, extra=None):
             # (sharded gradients keep only this rank's chunk: no .grad to compare)
             kept = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
             grad_err = max(
-                [(p.grad - ref_part(n, ref_grads[n])).abs().max().item() / scale for n, p in kept],
+                [(_whole(p.grad) - ref_part(n, ref_grads[n])).abs().max().item() / scale for n, p in kept],
                 default=0.0,
             )
             grads_kept = len(kept) == len(list(module.parameters()))
@@ -234,7 +241,8 @@ def _train(rank, world, case, ep, clip, extra=None):
         losses.append(loss.item() / smp.dp_size())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     param_err = max(
-        (p.detach() - ref_part(n, ref_params[n])).abs().max().item() for n, p in module.named_parameters()
+        (_whole(p.detach()) - ref_part(n, ref_params[n])).abs().max().item()
+        for n, p in module.named_parameters()
     )
     # The full state_dict gathers the experts (one process's model: save_pretrained writes it) ...
     full = dmodel.state_dict()
@@ -244,7 +252,7 @@ def _train(rank, world, case, ep, clip, extra=None):
     start = MODELS[case]().state_dict()
     dmodel.load_state_dict(start)
     load_err = max(
-        (p.detach() - ref_part(n, start[n])).abs().max().item() for n, p in module.named_parameters()
+        (_whole(p.detach()) - ref_part(n, start[n])).abs().max().item() for n, p in module.named_parameters()
     )
     expert_numel = sum(p.numel() for n, p in module.named_parameters() if n in rows)
     ref_expert_numel = sum(ref_params[n].numel() for n in rows)
@@ -252,7 +260,10 @@ def _train(rank, world, case, ep, clip, extra=None):
     chunks = sum(f.master.numel() for f in flat.groups) if flat is not None else 0
     from smp.engine import compiled
 
+    expert_param = next(p for n, p in module.named_parameters() if n in rows)
+    mesh = getattr(expert_param, "device_mesh", None)  # sdp: the experts' shards' mesh
     return {
+        "expert_mesh": mesh.size() if mesh is not None else 0,
         "compiles": compiled.compiles(),
         "state_share": chunks / sum(t.numel() for t in ref_params.values()),
         "grads_kept": grads_kept,
@@ -321,6 +332,7 @@ def test_parity_with_one_process(case, world, ep, clip):
         ({"config": {"shard_optimizer_state": True}, "case": "mixtral"}, 4, 0.5),
         ({"config": {"shard_optimizer_state": True, "shard_gradients": True}, "case": "mixtral"}, 4, 0.5),
         ({"config": {"compile": True}, "case": "mixtral"}, 2, None),
+        ({"config": {"sharded_data_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
     ],
     ids=[
         "microbatches2",
@@ -328,14 +340,16 @@ def test_parity_with_one_process(case, world, ep, clip):
         "sharded_optimizer_state",
         "sharded_gradients",
         "compile",
+        "sdp2",
     ],
 )
 def test_parity_composed(extra, world, clip):
     """ep=2 with microbatches (the exchange per microbatch, gradients accumulated), with every
     decoder layer recomputed in backward (the exchange runs again), and with the optimizer state
     sharded (4 ranks, clipped: the experts' state cut across the 2 replicas holding them, the rest
-    across all 4), also with only each rank's chunk of the gradients kept (ZeRO-2), and compiled
-    (the exchange runs between the compiled graphs), against one process."""
+    across all 4), also with only each rank's chunk of the gradients kept (ZeRO-2), compiled (the
+    exchange runs between the compiled graphs), and under sharded data parallelism (sdp=2 on 4
+    ranks, clipped: the experts sharded over the replicas holding them), against one process."""
     case = extra.get("case", "mixtral_noaux" if "config" in extra else "mixtral")
     results = run_ranks(_train, world, case, 2, clip, extra, timeout=600)
     print({k: max(r[k] for r in results) for k in ("loss_err", "grad_err", "param_err", "norm_err")})
@@ -346,6 +360,9 @@ def test_parity_composed(extra, world, clip):
         assert r["expert_calls"] == STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
         for key in ("loss_err", "grad_err", "norm_err", "param_err", "state_err"):
             assert r[key] < TOL, (key, r)
+    if extra.get("config", {}).get("sharded_data_parallel_degree"):
+        # FSDP2 shards each block of experts over the 2 replicas holding it, not over the sdp mesh.
+        assert [r["expert_mesh"] for r in results] == [world // 2] * world
     if extra.get("config", {}).get("compile"):  # the layers around the exchange, compiled
         assert all(r["compiles"] > 0 for r in results), results
     if extra.get("config", {}).get("shard_optimizer_state"):
@@ -405,16 +422,16 @@ def test_bf16_tracks_fp32():
         assert r["update_err"] < 1.25 * plain[0]["update_err"] + 0.02, (r, plain[0])
 
 
-def _ep_checkpoint(rank, world, folder, sharded):
+def _ep_checkpoint(rank, world, folder, layout):
     """Mixtral at ep=2 on 4 ranks (each block of experts on 2 replicas): 4 uninterrupted steps;
     2 steps, then a partial and a full checkpoint; each resumed at ep=2, ep=1 (dp=4) and ep=4 for
-    the last 2 steps, all with the optimizer state sharded or all without. (the state right after
+    the last 2 steps, all in `layout` (nothing more, the optimizer state sharded, or sdp=2). (the state right after
     the resume against the saved one; the full state after 4 steps against the uninterrupted
     run's; how far the steps moved the model)"""
     import smp
 
     def build(ep):
-        smp.init({"expert_parallel_degree": ep, "shard_optimizer_state": sharded})
+        smp.init({"expert_parallel_degree": ep, **layout})
         torch.manual_seed(0)
         # (no auxiliary loss: without ep it would be each replica's, not the global batch's, and
         # the runs on other ep degrees would train another model)
@@ -461,14 +478,18 @@ def _ep_checkpoint(rank, world, folder, sharded):
     return results, gap(saved, start)
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["whole_state", "sharded_optimizer_state"])
-def test_ep_checkpoint_moves_between_ep_degrees(tmp_path, sharded):
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"shard_optimizer_state": True}, {"sharded_data_parallel_degree": 2}],
+    ids=["whole_state", "sharded_optimizer_state", "sdp2"],
+)
+def test_ep_checkpoint_moves_between_ep_degrees(tmp_path, layout):
     """A checkpoint written at ep=2 (each rank writing its block of the experts once, the first of
-    its replicas; with sharded optimizer state each replica its chunk of the block's state)
+    its replicas; with sharded optimizer state or sdp each replica its chunk or rows of the block)
     resumes at ep=2, at ep=1 and at ep=4, partial and full, and the last 2 steps then give the
     uninterrupted run's model: the experts' blocks and their Adam state are stored in global
     coordinates."""
-    results, moved_by_two = run_ranks(_ep_checkpoint, 4, str(tmp_path), sharded, timeout=600)[0]
+    results, moved_by_two = run_ranks(_ep_checkpoint, 4, str(tmp_path), layout, timeout=600)[0]
     assert moved_by_two > 100 * TOL
     for ep, partial, error, moved in results:
         assert error < TOL and moved > 100 * TOL, (ep, partial, error, moved)

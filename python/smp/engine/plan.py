@@ -27,7 +27,7 @@ from smp.context_parallel import cut_modes
 from smp.data_parallel import replicas
 from smp.engine import delayed_init
 from smp.engine.skeleton import Skeleton
-from smp.expert_parallel import ExpertPlacement, distribute
+from smp.expert_parallel import ExpertPlacement, distribute, scale_gradients
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline import placement
@@ -111,17 +111,39 @@ def place_sharded(
     compile_layer: Callable[[nn.Module], None] | None = None,
 ) -> Plan:
     """Sharded data parallelism: the module runs whole on each rank, its parameters sharded over the
-    sdp group (FSDP2 averages the gradients: the plan has no gradient group of smp's)."""
+    sdp group (FSDP2 averages the gradients: the plan has no gradient group of smp's). With expert
+    parallelism each rank keeps its block of the experts first (the replicas agreeing on the whole
+    model), and FSDP2 shards those over the replicas holding the same experts."""
     device = rank_device()
     materialize = None
     if delayed_init.is_delayed(module):
+        if groups.ep_size > 1:
+            raise ValueError(
+                "smp: expert_parallel_degree with sharded_data_parallel_degree needs the model's real "
+                "parameters (each rank cuts its experts from the whole model before sharding); build "
+                "it outside smp.delay_param_initialization(), or set sharded_data_parallel_degree=1"
+            )
         seed = config.tensor_parallel_seed
 
         def materialize(unit: nn.Module, path: str) -> None:
             delayed_init.materialize(unit, {}, device, seed, 0, prefix=path, model=module)
 
-    sharded = shard_model(module, config, groups, device, materialize, compile_layer)
-    return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, None, sharded_data=sharded)
+    experts = None
+    if groups.ep_size > 1:
+        module.to(device)
+        replicas.broadcast_over(
+            list(module.parameters()) + list(module.buffers()), groups.dp, groups.dp_ranks
+        )
+        experts = distribute(module, groups)
+        # An expert's gradient holds every ep rank's tokens already: one process's is its sum over
+        # the dp/ep replicas holding it divided by dp, and FSDP2 divides by dp/ep (a divide factor
+        # of its own needs PREMUL_SUM, which Gloo lacks), so the banks' gradients come scaled 1/ep.
+        for bank in experts.banks:
+            scale_gradients(bank.module, 1.0 / groups.ep_size)
+    sharded, experts = shard_model(module, config, groups, device, materialize, compile_layer, experts)
+    return Plan(
+        config.schedule(), groups.pp_rank, device, {}, (), {}, None, sharded_data=sharded, experts=experts
+    )
 
 
 def make_plan(

@@ -17,7 +17,13 @@ from torch import nn
 
 from smp import params as param_facts
 from smp.expert_parallel.aux_loss import global_router_losses
-from smp.expert_parallel.bank import ExpertSlice, expert_slice, grouped_matmul, keep_local_experts
+from smp.expert_parallel.bank import (
+    ExpertSlice,
+    expert_slice,
+    grouped_matmul,
+    keep_local_experts,
+    scale_gradients,
+)
 from smp.expert_parallel.find import ExpertBank, ExpertLayoutError, check_divides, expert_banks
 from smp.groups import ParallelGroups
 
@@ -30,6 +36,7 @@ __all__ = [
     "expert_banks",
     "expert_slice",
     "grouped_matmul",
+    "scale_gradients",
 ]
 
 

@@ -31,6 +31,9 @@ class ExpertSlice:
     start: int
     local: int
     group_name: str
+    # What the banks' gradients are multiplied by on their way to the parameters: 1, or 1/ep where
+    # the replicas' averaging divides by dp/ep only (FSDP2 over them: sharded_data_parallel_degree).
+    grad_scale: float = 1.0
 
 
 def expert_slice(module: nn.Module) -> ExpertSlice | None:
@@ -71,14 +74,35 @@ def _exchanging_forward(
     return smp.ops.moe_combine(out, top_k_weights, route, piece.group_name)
 
 
+def scale_gradients(module: nn.Module, factor: float) -> None:
+    """From now on the module's banks' gradients are multiplied by `factor` (ExpertSlice.grad_scale)."""
+    setattr(module, _SLICE, dataclasses.replace(getattr(module, _SLICE), grad_scale=factor))
+
+
 def _experts_linear(module: nn.Module, x: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
     """Rows of x (expert-major, `counts` per local expert) through their expert's matrix (+ bias)."""
-    bank = getattr(module, name)
+    scale = getattr(module, _SLICE).grad_scale
+    bank = _ScaledGrad.apply(getattr(module, name), scale) if scale != 1.0 else getattr(module, name)
     weight = bank if module.is_transposed else bank.transpose(-2, -1)  # [local, in, out]
     out = grouped_matmul(x.to(weight.dtype), weight, counts)
     if module.has_bias:
-        out = out + getattr(module, f"{name}_bias").repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        bias = getattr(module, f"{name}_bias")
+        bias = _ScaledGrad.apply(bias, scale) if scale != 1.0 else bias
+        out = out + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
     return out
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ SMP v1's knobs map to FSDP2's (config.py, docs/sdp.md):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,9 @@ from smp.config import Config
 from smp.data_parallel import replicas
 from smp.groups import ParallelGroups
 from smp.sharded_data import deepspeed_names, stages, tensors, units
+
+if TYPE_CHECKING:
+    from smp.expert_parallel import ExpertPlacement
 
 # Initializes the meta tensors of a module at a path (delayed parameter initialization).
 Materialize = Callable[[nn.Module, str], None]
@@ -55,8 +60,12 @@ class ShardedModel:
         norm_groups: tuple[dist.ProcessGroup, ...] = (),
         shared: tuple = (),
         stage_units: dict | None = None,
+        expert_group: dist.ProcessGroup | None = None,
     ):
         self.module, self.mesh, self.clip = module, mesh, clip
+        # Expert parallelism: its experts' shards sit on their own mesh, and the ep group's ranks
+        # hold different experts (their norms add).
+        self.expert_group = expert_group
         self.counts, self.norm_groups, self.shared = counts, norm_groups, shared
         self.stage_units = stage_units or {}
         self.last_grad_norm: torch.Tensor | None = None  # the norm clip_before_step found
@@ -70,18 +79,23 @@ class ShardedModel:
         """Clips the sharded gradients by their global norm over the whole model (a collective over
         the sdp group, and the pipeline and tensor-parallel groups); returns the norm."""
         norm, params = self.grad_norm(norm_type)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        experts = [p for p in params if param_facts.is_expert(p)]
+        for part in (experts, [p for p in params if not param_facts.is_expert(p)]):  # (one mesh each)
+            if part:
+                torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
         return norm
 
     def grad_norm(self, norm_type: float = 2.0) -> tuple[torch.Tensor, list[nn.Parameter]]:
         """(the sharded gradients' global norm, a collective as above; the parameters with one)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if self.counts is None or self.counts(p)]
+        counted = [p for p in params if self.counts is None or self.counts(p)]
         device = params[0].device if params else torch.device("cpu")
-        norm = torch.zeros((), device=device)
-        if counted:
-            norm = tensors.whole(torch.nn.utils.get_total_norm(counted, norm_type)).to(device)
+        norm = _norm([p.grad for p in counted if not param_facts.is_expert(p)], norm_type, device)
+        if self.expert_group is not None:  # (a mesh of their own: a norm of their own, added)
+            experts = _norm([p.grad for p in counted if param_facts.is_expert(p)], norm_type, device)
+            norm = _combined_norm(
+                norm, norm_type, (), _combined_norm(experts, norm_type, (self.expert_group,))
+            )
         return _combined_norm(norm, norm_type, self.norm_groups), params
 
     def clip_before_step(self) -> None:
@@ -142,16 +156,28 @@ class ShardedModel:
                 dist.all_reduce(tensors.local(p.grad), group=group)
 
 
-def _combined_norm(norm: torch.Tensor, norm_type: float, groups) -> torch.Tensor:
-    if not groups:
+def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The norm of sharded gradients of one mesh (a collective over it)."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return tensors.whole(torch.nn.utils.get_total_norm(grads, norm_type)).to(device)
+
+
+def _combined_norm(
+    norm: torch.Tensor, norm_type: float, groups, other: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The norm of parts held apart: over `groups` (each rank's part its own), and with `other`."""
+    if not groups and other is None:
         return norm
     if norm_type == float("inf"):
         for group in groups:
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
-        return norm
+        return norm if other is None else torch.maximum(norm, other)
     total = norm.double() ** norm_type
     for group in groups:
         dist.all_reduce(total, group=group)
+    if other is not None:
+        total = total + other.double() ** norm_type
     return (total ** (1.0 / norm_type)).to(norm.dtype)
 
 
@@ -162,8 +188,10 @@ def shard_model(
     device: torch.device,
     materialize: Materialize | None = None,
     compile_layer: Callable[[nn.Module], None] | None = None,
-) -> ShardedModel:
-    """Shards `module` in place over this rank's sdp group and returns it as a ShardedModel.
+    experts: ExpertPlacement | None = None,
+) -> tuple[ShardedModel, ExpertPlacement | None]:
+    """Shards `module` in place over this rank's sdp group and returns it as a ShardedModel, with
+    `experts` (expert parallelism's placement, its blocks cut already) following the new parameters.
 
     `materialize` (delayed initialization): called for each layer, then for the root, just before
     that unit is sharded, so only one layer is ever whole on a rank. Without it the module's
@@ -171,7 +199,7 @@ def shard_model(
     rank's, so every rank shards the same values. `compile_layer` (config "compile") compiles each
     layer's forward in place before it is sharded, so FSDP2's hooks stay outside the graphs.
     """
-    if materialize is None:
+    if materialize is None and experts is None:  # (ep: the replicas agreed before cutting)
         module.to(device)
         replicas.broadcast_over(
             list(module.parameters()) + list(module.buffers()), groups.rdp, groups.rdp_ranks
@@ -180,6 +208,8 @@ def shard_model(
     layers = units.layer_units(module)
     policy = _policy(config)
     threshold = config.sdp_param_persistence_threshold
+    if experts is not None:
+        experts = _shard_experts(experts, groups, device, policy)
     in_layers = sum(units.numel(m) for _, m in layers)
     for path, layer in [*layers, ("", module)]:
         if materialize is not None:
@@ -189,7 +219,24 @@ def shard_model(
         own = units.numel(layer) - (in_layers if layer is module else 0)  # (the root: its own)
         _shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=own >= threshold)
     _prefetch(layers, units.prefetch_depth(config.sdp_max_live_parameters, layers))
-    return ShardedModel(module, mesh, config.sdp_gradient_clipping)
+    expert_group = experts.group if experts is not None else None
+    return ShardedModel(module, mesh, config.sdp_gradient_clipping, expert_group=expert_group), experts
+
+
+def _shard_experts(
+    experts: ExpertPlacement, groups: ParallelGroups, device: torch.device, policy: MixedPrecisionPolicy
+) -> ExpertPlacement:
+    """Each experts module under its own fully_shard over the replicas holding the same experts
+    (the layers' units then leave its banks to it; FSDP2 averages their gradients over those
+    replicas, which the experts' forward has prescaled: see smp.engine.plan.place_sharded)."""
+    mesh = DeviceMesh.from_group(groups.ep_replica, device.type)
+    replaced: dict[int, nn.Parameter] = {}
+    for bank in experts.banks:
+        replaced |= _shard(bank.module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    params = tuple(replaced.get(id(p), p) for p in experts.params)
+    for p in params:
+        param_facts.mark_expert(p)
+    return dataclasses.replace(experts, params=params)
 
 
 def shard_stages(

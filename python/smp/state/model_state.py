@@ -127,8 +127,8 @@ class StatePlaces:
         tensor (tp rank 0 of a replicated one), and the first replica unless each replica holds a
         chunk of its own (sharded optimizer state) or, for `rows` of an sdp-sharded tensor, every
         rank of the first sdp group; a block of experts, the first of the replicas holding it."""
-        if placement.expert:  # (a chunk of a block's state: each replica holding the block its own)
-            return key in self.stage_writes and (per_replica_chunk or self.first_expert_replica)
+        if placement.expert:  # (a chunk or sdp rows of a block: each replica holding it its own)
+            return key in self.stage_writes and (per_replica_chunk or rows or self.first_expert_replica)
         first = self.rdp_rank < self.sdp_size if rows else self.rdp_rank == 0
         return (
             key in self.stage_writes
