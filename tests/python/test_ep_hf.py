@@ -425,9 +425,9 @@ def test_bf16_tracks_fp32():
 def _ep_checkpoint(rank, world, folder, layout):
     """Mixtral at ep=2 on 4 ranks (each block of experts on 2 replicas): 4 uninterrupted steps;
     2 steps, then a partial and a full checkpoint; each resumed at ep=2, ep=1 (dp=4) and ep=4 for
-    the last 2 steps, all in `layout` (nothing more, the optimizer state sharded, or sdp=2). (the state right after
-    the resume against the saved one; the full state after 4 steps against the uninterrupted
-    run's; how far the steps moved the model)"""
+    the last 2 steps, all in `layout` (nothing more, the optimizer state sharded, or sdp=2).
+    (the state right after the resume against the saved one; the full state after 4 steps
+    against the uninterrupted run's; how far the steps moved the model)"""
     import smp
 
     def build(ep):
