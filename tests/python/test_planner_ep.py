@@ -193,11 +193,6 @@ def test_layout_round_trips_expert_parallel_degree():
             "not with context_parallel_degree=2",
         ),
         (
-            {"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2},
-            8,
-            "sharded_data_parallel_degree to 1",
-        ),
-        (
             {"expert_parallel_degree": 4},
             6,
             r"does not divide the reduced data parallel degree 6; choose one of",
@@ -300,3 +295,21 @@ def test_a_measured_shared_expert_stays_with_the_layer_and_ep_divides_only_the_r
     )
     moved = plain.parameters - ep.evaluated.breakdown.parameters
     assert moved == pytest.approx(facts.expert_total / 2 * 4)  # fp32: half the routed experts' bytes
+
+
+def test_ep_with_sdp_shards_the_experts_over_their_replicas():
+    """ep=2 x sdp=2 on 8 GPUs: FSDP2 shards the non-experts over the sdp pair, each block of
+    experts (half of them) over the 4 replicas holding it (their gathers and reduce-scatters cross
+    that group): a rank holds under 40% of sdp=2's parameter bytes."""
+    facts = _facts()
+    job = dict(seq_len=SEQ, global_batch=8, gpus=8, hardware="h200")
+    both = {"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2, "bf16": True}
+    evaluated = smp.plan("mixtral-8x7b", **job, layout=both).evaluated
+    sdp_only = smp.plan(
+        "mixtral-8x7b", **job, layout={"sharded_data_parallel_degree": 2, "bf16": True}
+    ).evaluated
+    experts, others = facts.expert_total, facts.parameters - facts.expert_total
+    assert evaluated.breakdown.parameters == pytest.approx(4 * (others / 2 + experts / 8), rel=1e-6)
+    assert evaluated.breakdown.optimizer_state == pytest.approx(8 * (others / 2 + experts / 8), rel=1e-6)
+    assert evaluated.breakdown.parameters < 0.4 * sdp_only.breakdown.parameters
+    assert evaluated.time.sdp_traffic > 0 and evaluated.time.ep_comm > 0

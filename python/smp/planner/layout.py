@@ -240,7 +240,7 @@ def ep_problem(layout: Layout, experts: int | None = None) -> str:
     """Why `layout`'s expert parallel degree cannot run ("" where it can), with the fix: ep blocks
     of data replicas divide every MoE layer's `experts` (None: not checked) among them. smp.init
     refuses ep with pp, tp and cp (smp.config says so for an
-    explicit layout); sdp with ep, which smp runs, the planner does not model yet."""
+    explicit layout)."""
     e = layout.ep
     if e == 1:
         return ""
@@ -248,11 +248,6 @@ def ep_problem(layout: Layout, experts: int | None = None) -> str:
         return (
             f"{EP_KEY} {e} does not divide the reduced data parallel degree {layout.rdp}; choose one of "
             f"{_divisors(layout.rdp)}"
-        )
-    if layout.sdp > 1:
-        return (
-            f"the planner does not model {EP_KEY} {e} together with {SDP_KEY} {layout.sdp} yet (smp "
-            f"runs it: docs/expert_parallel.md); set {EP_KEY} to 1 for this layout, or {SDP_KEY} to 1"
         )
     if experts == 0:
         return f"{EP_KEY} {e}: the model has no experts (not a mixture of experts); set it to 1"

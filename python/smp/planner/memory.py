@@ -34,7 +34,8 @@ sdp's shards) is sharded over their cp ranks too: rdp x cp ranks (sdp: sdp x cp)
 Expert parallelism (ep = N, a mixture of experts): each rank holds E/N whole experts of every MoE
 layer, so the experts' parameters, fp32 gradients, masters and optimizer state are 1/N (the rest as
 above, replicated; with shard_optimizer_state the experts' state is cut across the rdp/N replicas
-holding the same experts, the rest across rdp); an ep layout's all-to-all keeps a send and a
+holding the same experts, the rest across rdp; under sdp FSDP2 shards the experts over those
+replicas, the rest over sdp); an ep layout's all-to-all keeps a send and a
 receive buffer of top_k x tokens x hidden (one MoE layer's dispatch) beside the saved activations,
 which hold the dispatched tokens (model_facts / moe_facts: top_k x hidden per token and MoE layer)
 at any ep.
@@ -196,7 +197,8 @@ def _stage(
 ) -> Breakdown:
     p = stage_parameters(facts, layout, stage)
     if layout.sdp > 1:
-        state = _sharded_state(facts, layout, stage, p)
+        experts = stage_experts(facts, layout, stage) if layout.ep > 1 else 0.0
+        state = _sharded_state(facts, layout, stage, p, experts)
     else:
         experts = stage_experts(facts, layout, stage) if layout.ep > 1 else 0.0
         state = _replicated_state(layout, runtime, p, experts)
@@ -255,8 +257,14 @@ def _replicated_state(layout: Layout, runtime: Runtime, p: float, experts: float
     )
 
 
-def _sharded_state(facts: ModelFacts, layout: Layout, stage: int, p: float) -> _ModelState:
-    """sdp: every per-parameter term is a 1/sdp shard, plus what is gathered whole."""
+def _sharded_state(
+    facts: ModelFacts, layout: Layout, stage: int, p: float, experts: float = 0.0
+) -> _ModelState:
+    """sdp: every per-parameter term is a 1/sdp shard, plus what is gathered whole. `experts`: of
+    p, this rank's experts (ep), sharded over the rdp/ep replicas holding them instead."""
+    # (the per-parameter terms are linear in the count: an expert counts as 1/(rdp/ep) of
+    # sdp_shards' ranks' share)
+    p = p - experts + experts * sdp_shards(layout) / (layout.rdp // layout.ep) if experts else p
     grads = sdp_gradients(layout, p)
     return _ModelState(
         parameters=sdp_parameters(layout, p),

@@ -292,15 +292,28 @@ def sdp_seconds(facts: ModelFacts, layout: Layout, workload: Workload) -> float:
         return 0.0
     hw = hardware_of(workload)
     group = kernels.Group(layout.sdp * layout.cp, layout.pp * layout.tp)
-    layer = facts.layer_per_rank(layout.tp, layout.ep)
+    # ep: each layer's experts are gathered and reduce-scattered over the rdp/ep replicas holding
+    # them (ep data replicas apart), the rest over sdp.
+    holders = kernels.Group(layout.rdp // layout.ep, layout.pp * layout.tp * layout.ep)
+    experts = facts.layer_experts(layout.tp, layout.ep) if layout.ep > 1 else 0.0
+    layer = facts.layer_per_rank(layout.tp, layout.ep) - experts
     busiest = 0.0
     for rank in range(layout.pp):
         layers = held(layout, rank, facts.layers)[0]
-        root = stage_parameters(facts, layout, rank) - layers * layer
-        gathered = (2 * layers * layer + root) * compute_bytes(layout)  # layers twice, the root once
-        reduced = (layers * layer + root) * 4  # every gradient, once, in fp32
-        seconds = kernels.all_gather(hw, gathered + reduced, group, workload.gpus_per_node, workload.gpus)
+        root = stage_parameters(facts, layout, rank) - layers * (layer + experts)
+        seconds = _gathered_and_reduced(hw, layout, workload, group, layers * layer, root)
+        if experts:
+            seconds += _gathered_and_reduced(hw, layout, workload, holders, layers * experts, 0.0)
         collectives = (2 * layers + 1) + (layers + 1)  # the gathers, the reduce-scatters: one was counted
         latency = kernels.half_ring_latency(hw, group, workload.gpus_per_node, workload.gpus)
         busiest = max(busiest, seconds + (collectives - 1) * latency)
     return busiest
+
+
+def _gathered_and_reduced(
+    hw, layout: Layout, workload: Workload, group: kernels.Group, layers: float, root: float
+) -> float:
+    """Seconds of the layers' parameters gathered twice (forward, backward) and the root's once, in
+    the compute dtype, and all their gradients reduce-scattered once in fp32."""
+    nbytes = (2 * layers + root) * compute_bytes(layout) + (layers + root) * 4
+    return kernels.all_gather(hw, nbytes, group, workload.gpus_per_node, workload.gpus)
