@@ -313,3 +313,16 @@ def test_ep_with_sdp_shards_the_experts_over_their_replicas():
     assert evaluated.breakdown.optimizer_state == pytest.approx(8 * (others / 2 + experts / 8), rel=1e-6)
     assert evaluated.breakdown.parameters < 0.4 * sdp_only.breakdown.parameters
     assert evaluated.time.sdp_traffic > 0 and evaluated.time.ep_comm > 0
+
+
+def test_where_no_ep_fits_the_walk_shards_the_widest_ep_with_sdp():
+    """Mixtral-8x7B on 64 A100s of 40 GB: ep=2, 4 and 8 alone do not fit; the walk then tries sdp
+    over ep=8 (the non-experts over sdp, each block of experts over its 8 replicas), which fits from
+    sdp=4 on."""
+    result = smp.plan("mixtral-8x7b", seq_len=SEQ, global_batch=256, gpus=64, hardware="a100-40gb")
+    steps = {c.step: c for c in result.candidates}
+    assert [steps[f"3a. expert parallelism {n}"].fits for n in (2, 4, 8)] == [False, False, False]
+    both = [c for c in result.candidates if c.layout.ep == 8 and c.layout.sdp > 1]
+    assert [c.layout.sdp for c in both] == [2, 4, 8, 16, 32, 64]
+    assert not both[0].fits and all(c.fits for c in both[1:])
+    assert all(c.step.startswith("3a. expert parallelism 8, sharded data parallelism") for c in both)

@@ -12,8 +12,9 @@ time (step_time.py). The seed stopped at the first configuration that fits; that
    so far, its sharded optimizer state kept): ep = 2, 4, ... (powers of
    two dividing rdp and the experts per layer), each evaluated (more ep, fewer expert replicas to
    average: the fastest that fits is not always the first); each rank holds E/ep of every
-   MoE layer's experts. Before sdp, tensor and pipeline parallelism, which smp refuses with ep: they
-   start from the layout without ep, ranked beside it.
+   MoE layer's experts; where none fits, sdp over the widest ep (each block of experts sharded over
+   the replicas holding it). Before sdp, tensor and pipeline parallelism alone (smp refuses the
+   latter two with ep): they start from the layout without ep, ranked beside it.
 4. Split the model's state, where SMP's later best practice put sharded data parallelism first:
    - sharded data parallelism (sdp, in place of the sharded optimizer state, checkpointing kept),
      every degree dividing rdp, degrees whose group stays inside a node first, each kind smallest
@@ -310,8 +311,12 @@ def _expert_parallel(w: Walk, layout: Layout) -> Layout:
         return layout
     fits = [w.attempt(f"{EP_STEP} {n}", base.replace(ep=n)) for n in degrees]  # each ranked
     if not any(fits):
+        # The widest ep, its non-experts sharded over sdp and each block of experts over the
+        # replicas holding it (FSDP2), before the steps that start from the layout without ep.
+        widest = base.replace(ep=degrees[-1])
+        _sharded_data_parallel(w, widest, f"{EP_STEP} {degrees[-1]}, sharded data parallelism")
         w.notes.append(
-            f"{EP_STEP}: none fits up to ep={degrees[-1]} (smp refuses sdp, tp and pp with ep); the "
+            f"{EP_STEP}: none fits up to ep={degrees[-1]} alone (smp refuses tp and pp with ep); the "
             "next steps start from the layout without ep"
         )
     return layout
