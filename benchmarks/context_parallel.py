@@ -101,8 +101,16 @@ def run_layout(name: str, args) -> dict:
         took = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(took.item())
-    # Bytes saved for backward, in one more step (counting costs host time): smp's counter for a
-    # captured model (cp), autograd's hooks for one that runs whole on the caller's thread (dp).
+    # Bytes saved for backward, in one more step (counting costs host time).
+    saved, _ = saved_peak(dmodel, lambda: step(args.steps))
+    smp.parallel_state.reset()
+    return {"median_s": statistics.median(times), "losses": losses, "saved_peak": saved}
+
+
+def saved_peak(dmodel, run):
+    """(the peak bytes this rank saves for backward while `run()` trains, its result): smp's
+    counter for a captured model (cp), autograd's hooks for one that runs whole on the caller's
+    thread (dp), parameters left out (autograd saves them too; smp's counter does not)."""
     dmodel.track_saved_activations()
     packed = {}
 
@@ -111,15 +119,9 @@ def run_layout(name: str, args) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step(args.steps)
-    saved = max(dmodel.saved_activation_bytes()["peak"], sum(packed.values()) - _parameter_bytes(dmodel))
-    smp.parallel_state.reset()
-    return {"median_s": statistics.median(times), "losses": losses, "saved_peak": saved}
-
-
-def _parameter_bytes(dmodel) -> int:
-    """(the parameters autograd saves too, which smp's counter leaves out)"""
-    return sum(p.untyped_storage().nbytes() for p in dmodel.parameters())
+        result = run()
+    params = sum(p.untyped_storage().nbytes() for p in dmodel.parameters())
+    return max(dmodel.saved_activation_bytes()["peak"], sum(packed.values()) - params), result
 
 
 def report(r: dict) -> None:

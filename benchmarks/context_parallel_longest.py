@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from context_parallel import build  # noqa: E402  (the same model)
+from context_parallel import build, saved_peak  # noqa: E402  (the same model and meter)
 
 
 def saved_bytes(step_args, seq: int, comm: str) -> tuple[int, float]:
@@ -48,18 +48,9 @@ def saved_bytes(step_args, seq: int, comm: str) -> tuple[int, float]:
             return loss
 
         ids = torch.randint(0, step_args.vocab, (1, seq), generator=torch.Generator().manual_seed(seq))
-        dmodel.track_saved_activations()
-        packed = {}
-
-        def pack(t: torch.Tensor):
-            packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = train_step(ids).reduce_mean()
+        saved, loss = saved_peak(dmodel, lambda: train_step(ids).reduce_mean())
         opt.step()
-        params = sum(p.untyped_storage().nbytes() for p in dmodel.parameters())
-        peak = torch.tensor([max(dmodel.saved_activation_bytes()["peak"], sum(packed.values()) - params)])
+        peak = torch.tensor([saved])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak.item()), float(loss)
     finally:
