@@ -3,19 +3,22 @@ for a save with `async_save=True` against a synchronous save of the same state, 
 comes from, and the host memory the background save holds while it writes.
 
 Each round: steps without a save (their median is the plain step time), one synchronous partial
-save (its time is the training's stall for it), then one background save: the pause until the call
-returns (the state copied to host memory), training steps while the thread writes (each one's
-excess over the plain step time is stall too), and the wait once every rank's thread is done.
-stall = pause + the steps' excess + the wait; the goal is at most 10% of the synchronous save's.
+save (its time is the training's stall for it), then one background save per writer (a thread of
+the training process, `async_save="thread"`; smp's default, a writer process of its own,
+`async_save=True`): the pause until the call returns (the state copied to host memory), training
+steps while it writes (each one's excess over the plain step time is stall too), and the wait once
+every rank's writer is done. stall = pause + the steps' excess + the wait; the goal is at most 10%
+of the synchronous save's. The last line is the two writers' ratio, measured in the same run.
 
 Where a step's time goes, from the training thread's /proc schedstat (kernel accounting, so it
 holds on a busy machine): on a processor (cpu), runnable but waiting for one (queued: the
 machine's other work, the writer thread among it), and neither (blocked: waiting for peers in a
-collective, or for the GIL while the writer thread holds it). The writer thread's own processor
-time is `PendingSave.cpu_seconds`.
+collective, or for the GIL while the writer thread holds it). The writer's own processor time is
+`PendingSave.cpu_seconds` (its thread's and its process's).
 
 Memory: `PendingSave.staged_bytes` (the copy of this rank's state), and the process's resident set
-(VmRSS) sampled after the call and after each step while writing, less its value before the call.
+(VmRSS) sampled after the call and after each step while writing, less its value before the call;
+the writer process's own memory (its private pages: not the libraries it shares, nor the staging).
 Each figure is the largest over ranks.
 """
 
@@ -39,6 +42,22 @@ def rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def private_bytes(pid: int | None) -> int:
+    """The memory process `pid` holds of its own (private pages: not the libraries it shares with
+    the training process, nor the shared staging it maps), bytes; 0 for None."""
+    if pid is None:
+        return 0
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        return 0
+    return total
 
 
 def _schedstat() -> tuple[float, float]:
@@ -84,8 +103,13 @@ def _sum(rows: list[dict]) -> dict:
     return {k: sum(r[k] for r in rows) for k in rows[0]}
 
 
+# (name, save_checkpoint's async_save): the thread writer and the process writer, the same state
+WRITERS = (("thread", "thread"), ("process", True))
+
+
 def measure(repeats: int, folder: str, model, opt, step, timed) -> list[dict]:
-    """`repeats` rounds; `step` trains one step, `timed(fn)` is fn's time on the slowest rank."""
+    """`repeats` rounds; `step` trains one step, `timed(fn)` is fn's time on the slowest rank.
+    Each round: plain steps, a synchronous save, then one background save per writer."""
     accounted = Accounted(timed)
     rounds = []
     for _ in range(repeats):
@@ -94,42 +118,45 @@ def measure(repeats: int, folder: str, model, opt, step, timed) -> list[dict]:
         cpu = time.thread_time()
         sync = accounted(lambda: smp.save_checkpoint(folder, "sync", model=model, optimizer=opt))
         sync_cpu = _largest(time.thread_time() - cpu)
-        before = rss()
-        started = []
-
-        def start(started=started) -> None:
-            saving = smp.save_checkpoint(folder, "background", model=model, optimizer=opt, async_save=True)
-            started.append(saving)
-
-        pause = accounted(start)
-        pending = started.pop()
-        peak = rss()
-        during = []
-        while True:
-            during.append(accounted(step))
-            peak = max(peak, rss())
-            if _everyone_done(pending):
-                break
-        wait = timed(pending.wait)
-        excess = {k: v - len(during) * plain[k] for k, v in _sum(during).items()}
-        stall = pause["wall"] + excess["wall"] + wait
-        rounds.append(
-            {
-                "plain_step": plain,
-                "sync_save": sync,
-                "sync_save_cpu_s": sync_cpu,
-                "pause": pause,
-                "steps_during": [d["wall"] for d in during],
-                "excess": excess,
-                "wait_s": wait,
-                "stall_s": stall,
-                "stall_vs_sync": stall / sync["wall"],
-                "writer_cpu_s": _largest(pending.cpu_seconds),
-                "staged_bytes": _largest(pending.staged_bytes),
-                "rss_growth_bytes": _largest(peak - before),
-            }
-        )
+        row = {"plain_step": plain, "sync_save": sync, "sync_save_cpu_s": sync_cpu}
+        for name, how in WRITERS:
+            row[name] = _background(how, folder, model, opt, step, timed, accounted, plain, sync)
+        rounds.append(row)
     return rounds
+
+
+def _background(how, folder, model, opt, step, timed, accounted, plain, sync) -> dict:
+    before = rss()
+    started = []
+
+    def start(started=started) -> None:
+        saving = smp.save_checkpoint(folder, "background", model=model, optimizer=opt, async_save=how)
+        started.append(saving)
+
+    pause = accounted(start)
+    pending = started.pop()
+    peak, writer_peak = rss(), private_bytes(pending.writer_pid)
+    during = []
+    while True:
+        during.append(accounted(step))
+        peak, writer_peak = max(peak, rss()), max(writer_peak, private_bytes(pending.writer_pid))
+        if _everyone_done(pending):
+            break
+    wait = timed(pending.wait)
+    excess = {k: v - len(during) * plain[k] for k, v in _sum(during).items()}
+    stall = pause["wall"] + excess["wall"] + wait
+    return {
+        "pause": pause,
+        "steps_during": [d["wall"] for d in during],
+        "excess": excess,
+        "wait_s": wait,
+        "stall_s": stall,
+        "stall_vs_sync": stall / sync["wall"],
+        "writer_cpu_s": _largest(pending.cpu_seconds),
+        "staged_bytes": _largest(pending.staged_bytes),
+        "rss_growth_bytes": _largest(peak - before),
+        "writer_private_bytes": _largest(writer_peak),
+    }
 
 
 def _split(d: dict) -> str:
@@ -137,27 +164,37 @@ def _split(d: dict) -> str:
 
 
 def report(rounds: list[dict]) -> None:
-    print("background save (async_save=True) against a synchronous save of the same state:")
-    print(
-        f"{'round':>5} {'sync s':>7} {'pause s':>7} {'plain step':>10} {'steps while writing':>20} "
-        f"{'excess s':>8} {'wait s':>6} {'stall s':>7} {'stall/sync':>10} {'staged MB':>9} {'RSS+ MB':>7}"
-    )
-    for i, r in enumerate(rounds):
-        during = ", ".join(f"{d:.3f}" for d in r["steps_during"])
+    for name, how in WRITERS:
+        print(f"background save (async_save={how!r}: a {name} writes) against a synchronous save:")
         print(
-            f"{i:>5} {r['sync_save']['wall']:7.3f} {r['pause']['wall']:7.3f} {r['plain_step']['wall']:10.3f} "
-            f"{during:>20} {r['excess']['wall']:8.3f} {r['wait_s']:6.3f} {r['stall_s']:7.3f} "
-            f"{r['stall_vs_sync']:10.3f} {r['staged_bytes'] / 1e6:9.1f} {r['rss_growth_bytes'] / 1e6:7.1f}"
+            f"{'round':>5} {'sync s':>7} {'pause s':>7} {'plain step':>10} {'steps while writing':>20} "
+            f"{'excess s':>8} {'wait s':>6} {'stall s':>7} {'stall/sync':>10} {'staged MB':>9} "
+            f"{'RSS+ MB':>7} {'writer own MB':>13}"
         )
-    print("where the time went (training thread, s: cpu / queued for a processor / blocked):")
-    for i, r in enumerate(rounds):
+        for i, row in enumerate(rounds):
+            r = row[name]
+            during = ", ".join(f"{d:.3f}" for d in r["steps_during"])
+            print(
+                f"{i:>5} {row['sync_save']['wall']:7.3f} {r['pause']['wall']:7.3f} "
+                f"{row['plain_step']['wall']:10.3f} {during:>20} {r['excess']['wall']:8.3f} "
+                f"{r['wait_s']:6.3f} "
+                f"{r['stall_s']:7.3f} {r['stall_vs_sync']:10.3f} {r['staged_bytes'] / 1e6:9.1f} "
+                f"{r['rss_growth_bytes'] / 1e6:7.1f} {r['writer_private_bytes'] / 1e6:13.1f}"
+            )
+        print("where the time went (training thread, s: cpu / queued for a processor / blocked):")
+        for i, row in enumerate(rounds):
+            r = row[name]
+            print(
+                f"{i:>5} sync save {_split(row['sync_save'])} (cpu {row['sync_save_cpu_s']:.3f}); "
+                f"pause {_split(r['pause'])}; steps' excess {_split(r['excess'])}; "
+                f"writer cpu {r['writer_cpu_s']:.3f}"
+            )
+    for name, _ in WRITERS:
+        ratios = [row[name]["stall_vs_sync"] for row in rounds]
         print(
-            f"{i:>5} sync save {_split(r['sync_save'])} (cpu {r['sync_save_cpu_s']:.3f}); "
-            f"pause {_split(r['pause'])}; steps' excess {_split(r['excess'])}; "
-            f"writer thread cpu {r['writer_cpu_s']:.3f}"
+            f"{name} writer: stall / synchronous save: median {statistics.median(ratios):.3f} "
+            f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 0.10)"
         )
-    ratios = [r["stall_vs_sync"] for r in rounds]
-    print(
-        f"stall / synchronous save: median {statistics.median(ratios):.3f} "
-        f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 0.10)"
-    )
+    later = rounds[1:] or rounds  # the first round also starts the writer process and maps its buffers
+    ratio = statistics.median(row["process"]["stall_s"] / row["thread"]["stall_s"] for row in later)
+    print(f"process writer's stall / thread writer's, median over rounds after the first: {ratio:.3f}")

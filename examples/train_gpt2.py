@@ -22,7 +22,8 @@ the newest checkpoint it finds: under `torchrun --max-restarts=N` a job that los
 back by itself and goes on from its last checkpoint, and a resume on fewer (or more) processes
 keeps the checkpoint's global batch (more microbatches per rank), reading exactly the batches an
 uninterrupted run would have read (each step's global batch is a function of the seed and the
-step alone, each data-parallel rank taking its rows of it). On machines with GPUs every rank
+step alone, each data-parallel rank taking its rows of it); --async-save writes the checkpoints
+in the background. On machines with GPUs every rank
 uses its local GPU and the collectives go through NCCL.
 """
 
@@ -124,6 +125,11 @@ def parse_args() -> argparse.Namespace:
     files.add_argument("--out-dir", default="runs/gpt2", help="log.csv and loss.png (rank 0)")
     files.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest")
     files.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    files.add_argument(
+        "--async-save",
+        action="store_true",
+        help="save in the background (a writer process per rank) while training goes on",
+    )
     files.add_argument(
         "--timeline",
         action="store_true",
@@ -367,7 +373,9 @@ def main() -> None:
                     "global_batch": global_batch,
                     "microbatch_size": batch_size // microbatches,
                 },
+                async_save=args.async_save,
             )
+    smp.wait_for_checkpoint()  # a background save is complete before the job ends
     smp.barrier()
     if bar is not None:
         bar.close()

@@ -25,14 +25,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
 
 from smp import comm, parallel_state
-from smp.state import folders, layout_free, model_state, rank_state, safe_load, storage
+from smp.state import folders, layout_free, model_state, rank_state, safe_load, storage, writer_process
 
 
 def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> None:
@@ -72,7 +74,7 @@ def save_checkpoint(
     user_content: Any = None,
     translate_if_full: bool = True,
     num_kept_partial_checkpoints: int | None = None,
-    async_save: bool = False,
+    async_save: bool | str = False,
 ) -> PendingSave | None:
     """Writes model, optimizer and user content under `path/tag[_partial]` and records the tag as
     newest. A collective: call it on every rank. Either kind resumes on any layout: a partial
@@ -80,10 +82,16 @@ def save_checkpoint(
     one holds the whole model in one torch.save file (`model.pt`, a plain state_dict).
 
     With `async_save=True` (smp's own argument) the state is copied to host memory and the files
-    are written by a background thread while training goes on; the returned PendingSave's wait()
+    are written in the background while training goes on; the returned PendingSave's wait()
     returns once the checkpoint is complete and named newest. The next save_checkpoint or
-    resume_from_checkpoint waits for it; so must the script before it exits."""
+    resume_from_checkpoint waits for it; so must the script before it exits. A partial
+    checkpoint's tensor files are written by a process of this rank's own
+    (smp.state.writer_process: the copy is in shared memory, and the writing does not hold this
+    interpreter), the rest by a thread; off Linux a thread writes it all (a warning says so).
+    `async_save="thread"` asks for a thread only."""
     del translate_if_full  # smp's checkpoints already use the original module's keys
+    if async_save not in _ASYNC_SAVES:
+        raise ValueError(f"smp.save_checkpoint: async_save={async_save!r}; pass False, True or 'thread'")
     wait_for_checkpoint()
     model = model if model is not None else parallel_state.state().model
     final = os.path.join(path, folders.folder(tag, partial))
@@ -102,10 +110,37 @@ def save_checkpoint(
         job.run(None)
         return None
     global _pending
-    job.tensors = _staging.copy(tensors)  # the training may change the live tensors from now on
+    staged_bytes = storage.nbytes(tensors)
+    job.process = _writer_process(async_save) if partial else None
+    # the training may change the live tensors from now on
+    job.tensors = _staging.copy(tensors, shared=job.process is not None)
+    job.arena = _staging.arena
     _pending = PendingSave(job, parallel_state.checkpoint_group())
-    _pending.staged_bytes = storage.nbytes(job.tensors)
+    _pending.staged_bytes = staged_bytes
     return _pending
+
+
+_ASYNC_SAVES = (False, True, "thread")
+_writer: writer_process.WriterProcess | None = None
+
+
+def _writer_process(async_save: bool | str) -> writer_process.WriterProcess | None:
+    """The process that writes background saves' tensor files (started by the first), or None
+    where a thread writes them: asked for, or not on Linux (a warning says so)."""
+    global _writer
+    if async_save == "thread":
+        return None
+    if not writer_process.supported():
+        warnings.warn(
+            f"smp.save_checkpoint(async_save=True): a writer process needs Linux (memfd_create, "
+            f"SCM_RIGHTS), not {sys.platform}; a thread of this process writes the checkpoint (training "
+            "slows more while it writes)",
+            stacklevel=3,
+        )
+        return None
+    if _writer is None or not _writer.alive():
+        _writer = writer_process.WriterProcess()
+    return _writer
 
 
 def release_staging() -> None:
@@ -126,11 +161,13 @@ def wait_for_checkpoint() -> None:
 class PendingSave:
     """A checkpoint written by a background thread: wait() returns when it is complete and newest.
     `staged_bytes`: the host memory its copy of this rank's state holds until then;
-    `cpu_seconds`: the processor time its thread has taken (what it costs a busy host)."""
+    `cpu_seconds`: the processor time its thread and the writer process have taken (what it
+    costs a busy host); `writer_pid`: the writer process's (None where a thread writes it all)."""
 
     def __init__(self, job: _SaveJob, group):
         self.staged_bytes = 0
         self.cpu_seconds = 0.0
+        self.writer_pid = job.process.pid if job.process is not None else None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(job, group), name="smp-checkpoint")
         self._thread.start()
@@ -142,7 +179,7 @@ class PendingSave:
         except BaseException as err:  # handed to the training thread by wait()
             self._error = err
         finally:
-            self.cpu_seconds = time.thread_time() - start
+            self.cpu_seconds = time.thread_time() - start + job.seconds_elsewhere
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -171,12 +208,15 @@ class _SaveJob:
     meta: dict
     user_content: Any
     ranked: dict  # this rank's generators and registered objects
+    process: writer_process.WriterProcess | None = None  # writes the tensor files, where given
+    arena: writer_process.Arena | None = None  # where `tensors` are, for `process`
+    seconds_elsewhere: float = 0.0  # the processor time `process` spent on them
 
     def run(self, group) -> None:
         """Writes the files, then (rank 0, once every rank's are synced) publishes the checkpoint.
         A collective over `group` (None: the world's default group)."""
         if self.partial:
-            storage.save(self.tensors, self.folder, group)
+            self.seconds_elsewhere = storage.save(self.tensors, self.folder, group, self.process, self.arena)
         else:
             storage.save_whole(self.tensors, self.folder, group)
         rank0 = torch.distributed.get_rank() == 0

@@ -152,7 +152,9 @@ def run_ranks(
                     results,
                     _output_files(tmp, rank),
                 ),
-                daemon=True,
+                # not daemonic, as under torchrun: a rank may start processes of its own (the
+                # background checkpoint writer); _reap ends every rank whatever happens
+                daemon=False,
             )
             for rank in range(world_size)
         ]

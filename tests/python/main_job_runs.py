@@ -116,6 +116,37 @@ def workers(proc: subprocess.Popen) -> list[int]:
     return sorted(found)
 
 
+def writers(proc: subprocess.Popen) -> list[int]:
+    """The background-save writer processes (smp/state/writer_process.py) of the job's workers."""
+    found = []
+    for worker in workers(proc):
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker)], capture_output=True, text=True)
+        for pid in (int(p) for p in out.stdout.split()):
+            try:
+                if b"writer_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except FileNotFoundError:
+                pass
+    return sorted(found)
+
+
+def still_running(pids: list[int], within: float = 10.0) -> list[int]:
+    """Those of `pids` still running (not ended, nor a zombie) after up to `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        running = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue
+            if state != "Z":
+                running.append(pid)
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)  # polling for the kernel to end them
+
+
 def ranks(proc: subprocess.Popen) -> dict[int, int]:
     """The workers by their global rank (RANK in each one's environment): {rank: pid}."""
     found = {}

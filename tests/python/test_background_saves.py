@@ -39,7 +39,7 @@ def _two_saves_back_to_back(rank, world_size, folder):
     events = []
     write, publish = storage.save, folders.publish
 
-    def recorded_write(tensors, target, group=None):
+    def recorded_write(tensors, target, *args):
         tag = os.path.basename(target).split("_")[0]
         seen = {
             "newest": _read(os.path.join(folder, "newest")),
@@ -51,8 +51,9 @@ def _two_saves_back_to_back(rank, world_size, folder):
         events.append(("write", tag, seen))
         if tag == "first":
             time.sleep(1.0)  # a slow disk: a second save that did not wait would start meanwhile
-        write(tensors, target, group)
+        seconds = write(tensors, target, *args)
         events.append(("written", tag, None))
+        return seconds
 
     def recorded_publish(incomplete, final):
         events.append(("publish", os.path.basename(final).split("_")[0], None))
@@ -111,3 +112,103 @@ def test_a_second_background_save_waits_for_the_first(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["first_partial", "second_partial", "newest", "first.pt", "second.pt"]
     )
+
+
+def _saved_by_each_writer(rank, world_size, folder):
+    import warnings
+
+    import smp
+    from smp.state import writer_process
+
+    model, optimizer, train = tiny(smp, {}, width=32, optimizer=torch.optim.Adam)
+    train(torch.full((4, 32), 1.0))
+    pids = {}
+    for how in ("thread", True):
+        pending = smp.save_checkpoint(folder, f"by_{how}", model=model, optimizer=optimizer, async_save=how)
+        pids[how] = pending.writer_pid
+        pending.wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer_process.supported = lambda: False  # as off Linux
+        pending = smp.save_checkpoint(
+            folder, "by_fallback", model=model, optimizer=optimizer, async_save=True
+        )
+        pids["fallback"] = pending.writer_pid
+        pending.wait()
+    return os.getpid(), pids, [str(w.message) for w in caught]
+
+
+def test_a_writer_process_writes_what_a_thread_would(tmp_path):
+    """The default background save writes its tensor files from a process of each rank's own,
+    which ends with the rank; the files are those the thread writer makes. Where no writer process
+    can run, a warning says so and a thread writes it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    results = run_ranks(_saved_by_each_writer, 2, str(tmp_path), timeout=180)
+    for pid, pids, caught in results:
+        assert pids["thread"] is None and pids["fallback"] is None, pids
+        assert pids[True] is not None and pids[True] != pid, pids
+        assert _ends(pids[True]), f"the writer {pids[True]} outlived its rank"
+        assert len(caught) == 1 and "a writer process needs Linux" in caught[0], caught
+    assert results[0][1][True] != results[1][1][True]  # one writer per rank
+    saved = {}
+    for how in ("thread", "True", "fallback"):
+        dcp_to_torch_save(str(tmp_path / f"by_{how}_partial"), str(tmp_path / f"{how}.pt"))
+        saved[how] = torch.load(tmp_path / f"{how}.pt")
+    assert saved["thread"].keys() == saved["True"].keys() == saved["fallback"].keys()
+    for key, value in saved["thread"].items():
+        assert torch.equal(value, saved["True"][key]) and torch.equal(value, saved["fallback"][key]), key
+
+
+def _killed_while_writing(rank, world_size, folder, pids_file):
+    import signal
+
+    import smp
+
+    model, optimizer, train = tiny(smp, {}, width=1024, optimizer=torch.optim.Adam)
+    train(torch.full((4, 1024), 1.0))
+    pending = smp.save_checkpoint(folder, "torn", model=model, optimizer=optimizer, async_save=True)
+    with open(f"{pids_file}.{rank}", "w") as f:
+        f.write(str(pending.writer_pid))
+    written = os.path.join(folder, "torn_partial.incomplete", "__0_0.distcp")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(written) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until rank 0's writer is writing (rank 0 holds this model's tensors)
+    os.kill(os.getpid(), signal.SIGKILL)  # as torchrun's peer would be: no exit handler runs
+
+
+def test_a_writer_process_dies_with_its_rank(tmp_path):
+    """A rank SIGKILLed while its writer process works leaves no writer behind (it would hold the
+    shared memory and write into the folder while the restarted job runs) and no checkpoint."""
+    from harness import RankFailure
+
+    folder, pids_file = tmp_path / "ckpt", str(tmp_path / "writer_pid")
+    folder.mkdir()
+    try:
+        run_ranks(_killed_while_writing, 2, str(folder), pids_file, timeout=120)
+    except RankFailure as failure:
+        assert "exited with code -9" in str(failure), failure
+    else:
+        raise AssertionError("the ranks were to kill themselves")
+    for rank in range(2):
+        pid = int(open(f"{pids_file}.{rank}").read())
+        assert _ends(pid), f"writer {pid} outlived rank {rank}"
+    assert not (folder / "torn_partial").exists() and not (folder / "newest").exists()
+
+
+def _ends(pid: int, within: float = 10.0) -> bool:
+    """Whether process `pid` is gone (or a zombie no one has reaped yet) within `within` s."""
+    deadline = time.monotonic() + within
+    while _state(pid) not in ("gone", "Z"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling for the kernel to end it
+    return True
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"

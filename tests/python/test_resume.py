@@ -135,9 +135,10 @@ JOB = [
 
 
 def test_main_job_survives_a_killed_rank_and_resumes_on_fewer_processes(tmp_path):
-    """Two data-parallel replicas: uninterrupted; with one rank SIGKILLed while a checkpoint is being
-    written, under --max-restarts=1 (torchrun restarts the workers, the job resumes by itself from
-    the newest complete checkpoint, the torn one ignored: the same weights bit for bit); and the
+    """Two data-parallel replicas: uninterrupted; with one rank SIGKILLed while a background save's
+    writer processes write a checkpoint, under --max-restarts=1 (torchrun restarts the workers, the
+    job resumes by itself from the newest complete checkpoint, the torn one ignored: the same
+    weights bit for bit; no writer outlives its rank); and the
     whole job killed the same way and resumed on 1 process (the same global batch, two microbatches
     of the 2-process run's size: within 1e-6). (Pipeline and tensor degrees changing at a resume:
     benchmarks/fault_tolerance.py.)"""
@@ -145,10 +146,12 @@ def test_main_job_survives_a_killed_rank_and_resumes_on_fewer_processes(tmp_path
     for folder in (plain, killed, fewer):
         folder.mkdir()
     runs.finish(runs.torchrun(2, plain, JOB), plain)
-    proc = runs.torchrun(2, killed, JOB, restarts=1)
+    proc = runs.torchrun(2, killed, [*JOB, "--async-save"], restarts=1)  # killed mid background save
     runs.during_a_save(killed, proc)
+    writing = runs.writers(proc)  # the ranks' writer processes, writing now
     os.kill(runs.workers(proc)[-1], signal.SIGKILL)
     runs.finish(proc, killed)
+    stray = runs.still_running(writing)
     proc = runs.torchrun(2, fewer, JOB)
     runs.during_a_save(fewer, proc)
     runs.kill_all(proc)  # the whole job lost; it comes back on one process
@@ -158,3 +161,4 @@ def test_main_job_survives_a_killed_rank_and_resumes_on_fewer_processes(tmp_path
     assert runs.max_difference(reference, runs.final_state(fewer, STEPS)) < 1e-6
     starts = (killed / "log.txt").read_text().count(" parameters, pp=")  # rank 0's line at each start
     assert starts == 2, starts  # torchrun restarted the workers once
+    assert len(writing) == 2 and not stray, f"writer processes {stray} outlived their ranks ({writing})"

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from smp.state.sliced import Slices, assemble
+from smp.state.writer_process import Arena, WriteFiles, WriterProcess, arena_bytes
 
 _MODEL_FILE = "model.pt"  # a full checkpoint's model: a plain state_dict, loadable without smp
 _OPTIMIZER_FILE = "optimizer.pt"
@@ -30,10 +31,42 @@ MODEL_PREFIX = "model/"  # a model tensor's key: MODEL_PREFIX + its state_dict k
 _MODEL = MODEL_PREFIX
 
 
-def save(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None = None) -> None:
-    """Writes this rank's tensors into the DCP folder (a collective over `group`, the world's)."""
-    writer = dcp.FileSystemWriter(folder, sync_files=True)
+def save(
+    tensors: dict[str, Any],
+    folder: str,
+    group: dist.ProcessGroup | None = None,
+    process: WriterProcess | None = None,
+    arena: Arena | None = None,
+) -> float:
+    """Writes this rank's tensors into the DCP folder (a collective over `group`, the world's).
+    With `process`, that process writes the tensor files (`tensors`: views of `arena`, Staging's)
+    while this one plans and writes the metadata. Returns the processor seconds `process` spent."""
+    if process is None:
+        writer = dcp.FileSystemWriter(folder, sync_files=True)
+    else:
+        writer = _WriterElsewhere(folder, process, arena)
     dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group)
+    return getattr(writer, "seconds_elsewhere", 0.0)
+
+
+class _WriterElsewhere(dcp.FileSystemWriter):
+    """DCP's file writer whose write_data (the tensor bytes) runs in a WriterProcess."""
+
+    def __init__(self, folder: str, process: WriterProcess, arena: Arena):
+        super().__init__(folder, sync_files=True)
+        self._process, self._arena = process, arena
+        self.seconds_elsewhere = 0.0
+
+    def write_data(self, plan, planner):
+        # this writer as set up for the save, as DCP's own class: the writer process imports no smp
+        plain = dcp.FileSystemWriter.__new__(dcp.FileSystemWriter)
+        mine = ("_process", "_arena", "seconds_elsewhere")
+        plain.__dict__ = {k: v for k, v in vars(self).items() if k not in mine}
+        data = {item.index: planner.resolve_data(item) for item in plan.items}
+        results, self.seconds_elsewhere = self._process.call(WriteFiles(plain, plan, data), self._arena)
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
 
 
 def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | None = None) -> None:
@@ -77,27 +110,40 @@ def nbytes(tensors: dict[str, Any]) -> int:
 
 
 class Staging:
-    """Host copies of a save's tensors (Slices or tensors), for a background thread to write while
+    """Host copies of a save's tensors (Slices or tensors), for a background writer to write while
     training changes the originals. The copies' buffers are kept for the next background save:
     copying into memory already mapped costs a fifth of copying into fresh pages (whose first
     touch faults and zeroes them: 0.59 s against 0.12 s of processor time per GB here); the peak
-    is the same, it is only not given back between saves (`release`)."""
+    is the same, it is only not given back between saves (`release`). With `shared`, the buffers
+    are views of one writer_process.Arena (`arena`), which a WriterProcess maps too."""
 
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self.arena: Arena | None = None  # where the buffers are, when they are shared
 
-    def copy(self, tensors: dict[str, Any]) -> dict[str, Any]:
+    def copy(self, tensors: dict[str, Any], shared: bool = False) -> dict[str, Any]:
         """Copies of `tensors`; the previous copies' buffers must no longer be in use."""
         kept, self._buffers = self._buffers, {}
+        sources = list(_named_tensors(tensors))
+        if (self.arena is not None) != shared:
+            kept, self.arena = {}, None
+        if shared:
+            plain = [(name, tuple(t.shape), t.dtype) for name, t in sources if type(t) is torch.Tensor]
+            if self.arena is None or any(
+                _unlike(kept.get(name), shape, dtype) for name, shape, dtype in plain
+            ):
+                self.arena = Arena(arena_bytes([(shape, dtype) for _, shape, dtype in plain]))
+                kept = {name: self.arena.view(shape, dtype) for name, shape, dtype in plain}
+        copied = {name: self._copy(name, source, kept) for name, source in sources}
         copies: dict[str, Any] = {}
         for key, value in tensors.items():
             if isinstance(value, Slices):
-                copy = Slices(value.global_shape, value.dtype)
-                pieces = enumerate(value.pieces)
-                copy.pieces = [(offsets, self._copy((key, i), view, kept)) for i, (offsets, view) in pieces]
-                copies[key] = copy
+                copies[key] = Slices(value.global_shape, value.dtype)
+                copies[key].pieces = [
+                    (offsets, copied[(key, i)]) for i, (offsets, _) in enumerate(value.pieces)
+                ]
             else:
-                copies[key] = self._copy((key,), value, kept)
+                copies[key] = copied[(key,)]
         return copies
 
     def _copy(self, name: tuple, source: torch.Tensor, kept: dict) -> torch.Tensor:
@@ -105,7 +151,7 @@ class Staging:
         if type(source) is not torch.Tensor:  # (a tensor subclass: copied as it asks)
             return source.to("cpu", copy=True)
         buffer = kept.get(name)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+        if _unlike(buffer, source.shape, source.dtype):
             buffer = torch.empty(source.shape, dtype=source.dtype)
         buffer.copy_(source)
         self._buffers[name] = buffer
@@ -113,7 +159,21 @@ class Staging:
 
     def release(self) -> None:
         """Gives the kept buffers back (the next background save copies into fresh memory)."""
-        self._buffers = {}
+        self._buffers, self.arena = {}, None
+
+
+def _named_tensors(tensors: dict[str, Any]):
+    """(name, tensor) for every tensor a save holds: (key,) for a tensor, (key, i) for the i-th
+    piece of Slices."""
+    for key, value in tensors.items():
+        if isinstance(value, Slices):
+            yield from (((key, i), view) for i, (_, view) in enumerate(value.pieces))
+        else:
+            yield (key,), value
+
+
+def _unlike(buffer: torch.Tensor | None, shape, dtype: torch.dtype) -> bool:
+    return buffer is None or tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype
 
 
 class Reader:
