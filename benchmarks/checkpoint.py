@@ -80,6 +80,15 @@ def parse_args() -> argparse.Namespace:
         help="formats: the four contestants' saves and loads; background: async_save against a "
         "synchronous save of the same state",
     )
+    p.add_argument(
+        "--launch-bound",
+        type=int,
+        default=0,
+        metavar="N",
+        help="background part: time 'steps' of N tiny tensor ops instead of training steps (a GPU "
+        "host's training thread, which only launches kernels: what a writer holding the "
+        "interpreter delays)",
+    )
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a fresh folder in /tmp)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     return p.parse_args()
@@ -131,7 +140,8 @@ def main() -> None:
     if args.part in ("all", "formats"):
         result |= measure_formats(args, base, model, opt)
     if args.part in ("all", "background"):
-        result["background"] = background.measure(args.repeats, f"{base}/smp", model, opt, step, timed)
+        steps = background.launches(args.launch_bound) if args.launch_bound else step
+        result["background"] = background.measure(args.repeats, f"{base}/smp", model, opt, steps, timed)
     if rank == 0:
         print(
             f"layout {args.layout}, world {smp.size()}, {n_params / 1e6:.1f}M parameters, Adam, "

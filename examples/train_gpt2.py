@@ -127,8 +127,11 @@ def parse_args() -> argparse.Namespace:
     files.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     files.add_argument(
         "--async-save",
-        action="store_true",
-        help="save in the background (a writer process per rank) while training goes on",
+        nargs="?",
+        const="thread",
+        choices=("thread", "process"),
+        help="save in the background while training goes on: a writer thread (the default), or "
+        "a writer process per rank",
     )
     files.add_argument(
         "--timeline",
@@ -373,7 +376,7 @@ def main() -> None:
                     "global_batch": global_batch,
                     "microbatch_size": batch_size // microbatches,
                 },
-                async_save=args.async_save,
+                async_save=args.async_save or False,
             )
     smp.wait_for_checkpoint()  # a background save is complete before the job ends
     smp.barrier()

@@ -84,11 +84,11 @@ def save_checkpoint(
     With `async_save=True` (smp's own argument) the state is copied to host memory and the files
     are written in the background while training goes on; the returned PendingSave's wait()
     returns once the checkpoint is complete and named newest. The next save_checkpoint or
-    resume_from_checkpoint waits for it; so must the script before it exits. A partial
-    checkpoint's tensor files are written by a process of this rank's own
-    (smp.state.writer_process: the copy is in shared memory, and the writing does not hold this
-    interpreter), the rest by a thread; off Linux a thread writes it all (a warning says so).
-    `async_save="thread"` asks for a thread only."""
+    resume_from_checkpoint waits for it; so must the script before it exits. A thread of this
+    process writes the files; with `async_save="process"` a partial checkpoint's tensor files are
+    written by a process of this rank's own instead (smp.state.writer_process: the copy is in
+    shared memory, and the writing never holds this interpreter; off Linux a thread writes them,
+    with a warning). On the 2-core VM the thread stalls training less (docs/benchmarks.md)."""
     del translate_if_full  # smp's checkpoints already use the original module's keys
     if async_save not in _ASYNC_SAVES:
         raise ValueError(f"smp.save_checkpoint: async_save={async_save!r}; pass False, True or 'thread'")
@@ -120,19 +120,19 @@ def save_checkpoint(
     return _pending
 
 
-_ASYNC_SAVES = (False, True, "thread")
+_ASYNC_SAVES = (False, True, "thread", "process")
 _writer: writer_process.WriterProcess | None = None
 
 
 def _writer_process(async_save: bool | str) -> writer_process.WriterProcess | None:
-    """The process that writes background saves' tensor files (started by the first), or None
-    where a thread writes them: asked for, or not on Linux (a warning says so)."""
+    """The process that writes background saves' tensor files (started by the first asking for
+    one), or None where a thread writes them: asked for, or not on Linux (a warning says so)."""
     global _writer
-    if async_save == "thread":
+    if async_save != "process":
         return None
     if not writer_process.supported():
         warnings.warn(
-            f"smp.save_checkpoint(async_save=True): a writer process needs Linux (memfd_create, "
+            f"smp.save_checkpoint(async_save='process'): a writer process needs Linux (memfd_create, "
             f"SCM_RIGHTS), not {sys.platform}; a thread of this process writes the checkpoint (training "
             "slows more while it writes)",
             stacklevel=3,

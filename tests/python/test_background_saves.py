@@ -123,7 +123,7 @@ def _saved_by_each_writer(rank, world_size, folder):
     model, optimizer, train = tiny(smp, {}, width=32, optimizer=torch.optim.Adam)
     train(torch.full((4, 32), 1.0))
     pids = {}
-    for how in ("thread", True):
+    for how in ("thread", "process"):
         pending = smp.save_checkpoint(folder, f"by_{how}", model=model, optimizer=optimizer, async_save=how)
         pids[how] = pending.writer_pid
         pending.wait()
@@ -131,7 +131,7 @@ def _saved_by_each_writer(rank, world_size, folder):
         warnings.simplefilter("always")
         writer_process.supported = lambda: False  # as off Linux
         pending = smp.save_checkpoint(
-            folder, "by_fallback", model=model, optimizer=optimizer, async_save=True
+            folder, "by_fallback", model=model, optimizer=optimizer, async_save="process"
         )
         pids["fallback"] = pending.writer_pid
         pending.wait()
@@ -139,25 +139,25 @@ def _saved_by_each_writer(rank, world_size, folder):
 
 
 def test_a_writer_process_writes_what_a_thread_would(tmp_path):
-    """The default background save writes its tensor files from a process of each rank's own,
-    which ends with the rank; the files are those the thread writer makes. Where no writer process
+    """async_save="process" writes the tensor files from a process of each rank's own, which ends
+    with the rank; the files are those the thread writer makes. Where no writer process
     can run, a warning says so and a thread writes it."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     results = run_ranks(_saved_by_each_writer, 2, str(tmp_path), timeout=180)
     for pid, pids, caught in results:
         assert pids["thread"] is None and pids["fallback"] is None, pids
-        assert pids[True] is not None and pids[True] != pid, pids
-        assert _ends(pids[True]), f"the writer {pids[True]} outlived its rank"
+        assert pids["process"] is not None and pids["process"] != pid, pids
+        assert _ends(pids["process"]), f"the writer {pids['process']} outlived its rank"
         assert len(caught) == 1 and "a writer process needs Linux" in caught[0], caught
-    assert results[0][1][True] != results[1][1][True]  # one writer per rank
+    assert results[0][1]["process"] != results[1][1]["process"]  # one writer per rank
     saved = {}
-    for how in ("thread", "True", "fallback"):
+    for how in ("thread", "process", "fallback"):
         dcp_to_torch_save(str(tmp_path / f"by_{how}_partial"), str(tmp_path / f"{how}.pt"))
         saved[how] = torch.load(tmp_path / f"{how}.pt")
-    assert saved["thread"].keys() == saved["True"].keys() == saved["fallback"].keys()
+    assert saved["thread"].keys() == saved["process"].keys() == saved["fallback"].keys()
     for key, value in saved["thread"].items():
-        assert torch.equal(value, saved["True"][key]) and torch.equal(value, saved["fallback"][key]), key
+        assert torch.equal(value, saved["process"][key]) and torch.equal(value, saved["fallback"][key]), key
 
 
 def _killed_while_writing(rank, world_size, folder, pids_file):
@@ -167,7 +167,7 @@ def _killed_while_writing(rank, world_size, folder, pids_file):
 
     model, optimizer, train = tiny(smp, {}, width=1024, optimizer=torch.optim.Adam)
     train(torch.full((4, 1024), 1.0))
-    pending = smp.save_checkpoint(folder, "torn", model=model, optimizer=optimizer, async_save=True)
+    pending = smp.save_checkpoint(folder, "torn", model=model, optimizer=optimizer, async_save="process")
     with open(f"{pids_file}.{rank}", "w") as f:
         f.write(str(pending.writer_pid))
     written = os.path.join(folder, "torn_partial.incomplete", "__0_0.distcp")

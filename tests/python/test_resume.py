@@ -146,7 +146,8 @@ def test_main_job_survives_a_killed_rank_and_resumes_on_fewer_processes(tmp_path
     for folder in (plain, killed, fewer):
         folder.mkdir()
     runs.finish(runs.torchrun(2, plain, JOB), plain)
-    proc = runs.torchrun(2, killed, [*JOB, "--async-save"], restarts=1)  # killed mid background save
+    # killed while the writer processes write a background save
+    proc = runs.torchrun(2, killed, [*JOB, "--async-save", "process"], restarts=1)
     runs.during_a_save(killed, proc)
     writing = runs.writers(proc)  # the ranks' writer processes, writing now
     os.kill(runs.workers(proc)[-1], signal.SIGKILL)

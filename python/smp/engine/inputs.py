@@ -14,6 +14,7 @@ def on_device(tree, device: torch.device):
     """CPU tensors moved to `device` (smp.step accepts CPU batches on a GPU rank and has checked
     that no tensor is on another accelerator): the capture and the stages then see the rank's
     device, as the module is there (a tensor made inside from x.device follows)."""
+
     def move(x):
         return x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
 

@@ -194,13 +194,23 @@ class _ArenaPickler(pickle.Pickler):
 
 
 class _ArenaUnpickler(pickle.Unpickler):
-    def __init__(self, file, arena_bytes: torch.Tensor):
+    """Rebuilds each arena view as a tensor whose storage is exactly its own bytes of the mapping:
+    DCP clones a tensor whose storage is larger than it (so torch.save does not write the whole
+    storage), which views of one arena-wide storage would all be (a copy of the whole state)."""
+
+    def __init__(self, file, mapping: mmap.mmap):
         super().__init__(file)
-        self._bytes = arena_bytes
+        self._mapping = mapping
 
     def persistent_load(self, pid):
         dtype, offset, shape, stride = pid
-        return self._bytes.view(getattr(torch, dtype)).as_strided(shape, stride, offset)
+        dtype = getattr(torch, dtype)
+        if any(n == 0 for n in shape):
+            return torch.empty(shape, dtype=dtype)
+        span = 1 + sum((n - 1) * step for n, step in zip(shape, stride, strict=True))
+        size = torch.empty((), dtype=dtype).element_size()
+        own = torch.frombuffer(self._mapping, dtype=dtype, count=span, offset=offset * size)
+        return own.as_strided(shape, stride)
 
     def find_class(self, module: str, name: str):
         if module == "smp.state.writer_process":  # this file, imported here without the package
@@ -243,7 +253,6 @@ def serve() -> None:
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the training process; it stops us
     sock = socket.socket(fileno=fd)
-    mapped: tuple[int, int, torch.Tensor] | None = None  # (inode, size, bytes): reused while the same
     while True:
         try:
             header, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, 1)
@@ -254,18 +263,18 @@ def serve() -> None:
             payload = _exactly(sock, length)
         except (EOFError, OSError):
             return
-        arena_fd = fds[0]
-        inode = os.fstat(arena_fd).st_ino
-        if mapped is None or mapped[:2] != (inode, size):
-            mapped = (inode, size, torch.frombuffer(mmap.mmap(arena_fd, size), dtype=torch.uint8))
-        os.close(arena_fd)
+        # mapped for this request only: a mapping kept would hold the arena's memory after the
+        # training process gave it back (release_staging)
+        mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        os.close(fds[0])
         start = time.process_time()
         try:
-            request = _ArenaUnpickler(io.BytesIO(payload), mapped[2]).load()
+            request = _ArenaUnpickler(io.BytesIO(payload), mapping).load()
             reply = (None, request.run(), time.process_time() - start)
         except BaseException as err:  # handed to the save thread, which raises it in wait()
             reply = (err, None, time.process_time() - start)
-        request = None
+        request = None  # (its tensors unmap `mapping` as they go)
+        del mapping
         try:
             data = pickle.dumps(reply)
         except Exception:  # an error that does not pickle: its text does
