@@ -115,6 +115,7 @@ def test_a_second_background_save_waits_for_the_first(tmp_path):
 
 
 def _saved_by_each_writer(rank, world_size, folder):
+    import signal
     import warnings
 
     import smp
@@ -127,6 +128,11 @@ def _saved_by_each_writer(rank, world_size, folder):
         pending = smp.save_checkpoint(folder, f"by_{how}", model=model, optimizer=optimizer, async_save=how)
         pids[how] = pending.writer_pid
         pending.wait()
+    os.kill(pids["process"], signal.SIGKILL)  # a writer lost between saves (the OOM killer's pick)
+    os.waitpid(pids["process"], 0)
+    pending = smp.save_checkpoint(folder, "by_new", model=model, optimizer=optimizer, async_save="process")
+    pids["new"] = pending.writer_pid
+    pending.wait()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         writer_process.supported = lambda: False  # as off Linux
@@ -140,24 +146,26 @@ def _saved_by_each_writer(rank, world_size, folder):
 
 def test_a_writer_process_writes_what_a_thread_would(tmp_path):
     """async_save="process" writes the tensor files from a process of each rank's own, which ends
-    with the rank; the files are those the thread writer makes. Where no writer process
-    can run, a warning says so and a thread writes it."""
+    with the rank (one lost between saves is replaced); the files are those the thread writer
+    makes. Where no writer process can run, a warning says so and a thread writes it."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     results = run_ranks(_saved_by_each_writer, 2, str(tmp_path), timeout=180)
     for pid, pids, caught in results:
         assert pids["thread"] is None and pids["fallback"] is None, pids
         assert pids["process"] is not None and pids["process"] != pid, pids
+        assert pids["new"] not in (None, pids["process"]), pids  # a new writer for the next save
         assert _ends(pids["process"]), f"the writer {pids['process']} outlived its rank"
         assert len(caught) == 1 and "a writer process needs Linux" in caught[0], caught
     assert results[0][1]["process"] != results[1][1]["process"]  # one writer per rank
     saved = {}
-    for how in ("thread", "process", "fallback"):
+    for how in ("thread", "process", "new", "fallback"):
         dcp_to_torch_save(str(tmp_path / f"by_{how}_partial"), str(tmp_path / f"{how}.pt"))
         saved[how] = torch.load(tmp_path / f"{how}.pt")
-    assert saved["thread"].keys() == saved["process"].keys() == saved["fallback"].keys()
-    for key, value in saved["thread"].items():
-        assert torch.equal(value, saved["process"][key]) and torch.equal(value, saved["fallback"][key]), key
+    for how in ("process", "new", "fallback"):
+        assert saved[how].keys() == saved["thread"].keys(), how
+        for key, value in saved["thread"].items():
+            assert torch.equal(value, saved[how][key]), (how, key)
 
 
 def _killed_while_writing(rank, world_size, folder, pids_file):
