@@ -29,12 +29,22 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from smp import comm, parallel_state
-from smp.state import folders, layout_free, model_state, rank_state, safe_load, storage, writer_process
+from smp.state import (
+    folders,
+    layout_free,
+    model_state,
+    rank_state,
+    safe_load,
+    snapshot,
+    storage,
+    writer_process,
+)
 
 
 def save(obj: Any, f: str, partial: bool = True, v3: bool = False, **kwargs) -> None:
@@ -112,15 +122,33 @@ def save_checkpoint(
     global _pending
     staged_bytes = storage.nbytes(tensors)
     job.process = _writer_process(async_save) if partial else None
-    # the training may change the live tensors from now on
-    job.tensors = _staging.copy(tensors, shared=job.process is not None)
+    # Buffers (a forward may change them) are copied now; parameters and optimizer state, which
+    # only the optimizer's step changes (it waits: smp.state.snapshot), by the save's thread.
+    later = _copied_later(model, optimizer, tensors)
+    job.tensors, job.copy_rest = _staging.copy(
+        tensors, shared=job.process is not None, now=lambda key: key not in later
+    )
     job.arena = _staging.arena
+    snapshot.begin()
     _pending = PendingSave(job, parallel_state.checkpoint_group())
     _pending.staged_bytes = staged_bytes
     return _pending
 
 
 _ASYNC_SAVES = (False, True, "thread", "process")
+
+
+def _copied_later(model, optimizer, tensors: dict[str, Any]) -> set[str]:
+    """The keys a background save may copy after its call returns: none unless the optimizer is
+    smp's (its step waits for the copy); then all but the model's buffers."""
+    from smp.optimizer import DistributedOptimizer  # (imports this module's users)
+
+    if model is None or not isinstance(optimizer, DistributedOptimizer):
+        return set()
+    buffers = {_MODEL + k for k, _ in model.engine.state.module.named_buffers(remove_duplicate=False)}
+    return {key for key in tensors if key not in buffers}
+
+
 _writer: writer_process.WriterProcess | None = None
 
 
@@ -175,6 +203,10 @@ class PendingSave:
     def _run(self, job: _SaveJob, group) -> None:
         start = time.thread_time()
         try:
+            try:
+                job.copy_rest()
+            finally:
+                snapshot.done()
             job.run(group)
         except BaseException as err:  # handed to the training thread by wait()
             self._error = err
@@ -211,6 +243,7 @@ class _SaveJob:
     process: writer_process.WriterProcess | None = None  # writes the tensor files, where given
     arena: writer_process.Arena | None = None  # where `tensors` are, for `process`
     seconds_elsewhere: float = 0.0  # the processor time `process` spent on them
+    copy_rest: Callable[[], None] = lambda: None  # copies what the call left to the thread
 
     def run(self, group) -> None:
         """Writes the files, then (rank 0, once every rank's are synced) publishes the checkpoint.

@@ -13,7 +13,7 @@ from torch import nn
 from smp import hf, inert, parallel_state, recompute
 from smp.engine import Engine
 from smp.services import microbatch
-from smp.state import model_state
+from smp.state import model_state, snapshot
 
 
 class DistributedModel(nn.Module):
@@ -219,6 +219,7 @@ class DistributedModel(nn.Module):
         True` as SMP did) is this rank's part. Either is applied once the model is partitioned (as
         in SMP: a model built under delayed initialization has nothing to load into before); a
         full one's keys are checked at once."""
+        snapshot.wait()  # a background save may still be copying the parameters
         state_dict, partial = _split_partial_mark(state_dict)
         if partial:
             if self.engine.captures and not self.partitioned:

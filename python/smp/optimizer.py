@@ -16,7 +16,7 @@ from smp import optimizer_guards as guards
 from smp import parallel_state
 from smp.gradients import GradientState
 from smp.optim import loss_scale
-from smp.state import layout_free
+from smp.state import layout_free, snapshot
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -98,6 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "backward; call your @smp.step function (forward and model.backward) first, then "
                 "optimizer.step()"
             )
+        snapshot.wait()  # a background save may still be copying the parameters and state
         return self._gradients.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -220,3 +220,62 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def _copied_while_the_next_step_runs(rank, world_size, folder):
+    import threading
+
+    import smp
+
+    smp.init({})
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train(x):
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    def step() -> None:
+        optimizer.zero_grad()
+        train(torch.randn(4, 8))
+        optimizer.step()
+
+    step()
+    held = {k: v.tolist() for k, v in model.local_state_dict().items()}
+    gate, copy = threading.Event(), smp.checkpoint._staging.copy
+
+    def held_back(*args, **kwargs):  # the save thread's copy waits for the gate
+        copies, rest = copy(*args, **kwargs)
+        return copies, lambda: (gate.wait(), rest())
+
+    smp.checkpoint._staging.copy = held_back
+    pending = smp.save_checkpoint(folder, "t", model=model, optimizer=optimizer, async_save=True)
+    called = time.monotonic()
+    threading.Timer(2.0, gate.set).start()
+    step()  # its forward changes the running statistics at once; its optimizer step waits
+    waited = time.monotonic() - called
+    pending.wait()
+    after = {k: v.tolist() for k, v in model.local_state_dict().items()}
+    return held, after, waited
+
+
+def test_parameters_are_copied_while_the_next_step_runs(tmp_path):
+    """A background save copies the buffers at the call and the parameters and optimizer state in
+    its thread: the next step's forward and backward run meanwhile, its optimizer step waits for
+    the copy, and the checkpoint holds the state of the call (the running statistics as well)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    held, after, waited = run_ranks(_copied_while_the_next_step_runs, 1, str(tmp_path), timeout=120)[0]
+    assert waited >= 2.0, waited  # the optimizer step waited for the copy
+    dcp_to_torch_save(str(tmp_path / "t_partial"), str(tmp_path / "t.pt"))
+    saved = {
+        k[len("model/") :]: v.tolist()
+        for k, v in torch.load(tmp_path / "t.pt").items()
+        if k.startswith("model/")
+    }
+    assert saved == held
+    assert after["1.running_mean"] != held["1.running_mean"] and after["0.weight"] != held["0.weight"]

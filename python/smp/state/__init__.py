@@ -5,7 +5,9 @@ read, written and resharded, whatever the layout.
   chunks);
 - model_state.py: the full state_dict from the parts (and back), and where every tensor sits;
 - layout_free.py: optimizer state keyed by parameter name and full shape, not by layout;
-- storage.py: reading and writing through torch.distributed.checkpoint, and SMP v1's files.
+- storage.py: reading and writing through torch.distributed.checkpoint, and SMP v1's files;
+- snapshot.py: when a background save's copy of the state is complete (the optimizer waits);
+- writer_process.py: a process of a rank's own that writes a background save's tensor files.
 
 smp.checkpoint (smp.save, smp.load, smp.save_checkpoint, smp.resume_from_checkpoint) is the API
 over it.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,41 +122,49 @@ class Staging:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.arena: Arena | None = None  # where the buffers are, when they are shared
 
-    def copy(self, tensors: dict[str, Any], shared: bool = False) -> dict[str, Any]:
-        """Copies of `tensors`; the previous copies' buffers must no longer be in use."""
+    def copy(
+        self, tensors: dict[str, Any], shared: bool = False, now: Callable[[str], bool] = lambda key: True
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
+        """(copies of `tensors`, a function that fills the rest of them): the entries whose key
+        `now` accepts are copied at once, the others when the function runs (before anything
+        changes them). The previous copies' buffers must no longer be in use."""
         kept, self._buffers = self._buffers, {}
         sources = list(_named_tensors(tensors))
         if (self.arena is not None) != shared:
             kept, self.arena = {}, None
         if shared:
             plain = [(name, tuple(t.shape), t.dtype) for name, t in sources if type(t) is torch.Tensor]
-            if self.arena is None or any(
-                _unlike(kept.get(name), shape, dtype) for name, shape, dtype in plain
-            ):
+            if self.arena is None or any(_unlike(kept.get(n), shape, dtype) for n, shape, dtype in plain):
                 self.arena = Arena(arena_bytes([(shape, dtype) for _, shape, dtype in plain]))
                 kept = {name: self.arena.view(shape, dtype) for name, shape, dtype in plain}
-        copied = {name: self._copy(name, source, kept) for name, source in sources}
+        copied, later = {}, []
+        for name, source in sources:
+            source = source.detach()
+            if type(source) is not torch.Tensor:  # (a tensor subclass: copied as it asks, now)
+                copied[name] = source.to("cpu", copy=True)
+                continue
+            buffer = kept.get(name)
+            if _unlike(buffer, source.shape, source.dtype):
+                buffer = torch.empty(source.shape, dtype=source.dtype)
+            self._buffers[name] = copied[name] = buffer
+            if now(name[0]):
+                buffer.copy_(source)
+            else:
+                later.append((buffer, source))
         copies: dict[str, Any] = {}
         for key, value in tensors.items():
             if isinstance(value, Slices):
                 copies[key] = Slices(value.global_shape, value.dtype)
-                copies[key].pieces = [
-                    (offsets, copied[(key, i)]) for i, (offsets, _) in enumerate(value.pieces)
-                ]
+                pieces = enumerate(value.pieces)
+                copies[key].pieces = [(offsets, copied[(key, i)]) for i, (offsets, _) in pieces]
             else:
                 copies[key] = copied[(key,)]
-        return copies
 
-    def _copy(self, name: tuple, source: torch.Tensor, kept: dict) -> torch.Tensor:
-        source = source.detach()
-        if type(source) is not torch.Tensor:  # (a tensor subclass: copied as it asks)
-            return source.to("cpu", copy=True)
-        buffer = kept.get(name)
-        if _unlike(buffer, source.shape, source.dtype):
-            buffer = torch.empty(source.shape, dtype=source.dtype)
-        buffer.copy_(source)
-        self._buffers[name] = buffer
-        return buffer
+        def rest() -> None:
+            for buffer, source in later:
+                buffer.copy_(source)  # (releases the interpreter while it copies)
+
+        return copies, rest
 
     def release(self) -> None:
         """Gives the kept buffers back (the next background save copies into fresh memory)."""
