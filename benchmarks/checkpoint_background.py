@@ -5,7 +5,8 @@ comes from, and the host memory the background save holds while it writes.
 Each round: steps without a save (their median is the plain step time), one synchronous partial
 save (its time is the training's stall for it), then one background save per writer (smp's
 default, a thread of the training process, `async_save=True`; a writer process of its own,
-`async_save="process"`): the pause until the call returns (the state copied to host memory), training
+`async_save="process"`): the pause until the call returns (the buffers copied to host memory; the
+parameters and optimizer state are copied by the save's thread during the next steps), training
 steps while it writes (each one's excess over the plain step time is stall too), and the wait once
 every rank's writer is done. stall = pause + the steps' excess + the wait; the goal is at most 10%
 of the synchronous save's. The last line is the two writers' ratio, measured in the same run.
