@@ -101,7 +101,10 @@ def save_checkpoint(
     with a warning). On the 2-core VM the thread stalls training less (docs/benchmarks.md)."""
     del translate_if_full  # smp's checkpoints already use the original module's keys
     if async_save not in _ASYNC_SAVES:
-        raise ValueError(f"smp.save_checkpoint: async_save={async_save!r}; pass False, True or 'thread'")
+        raise ValueError(
+            f"smp.save_checkpoint: async_save={async_save!r}; pass False, True or 'thread' (a writer "
+            "thread), or 'process' (a writer process per rank)"
+        )
     wait_for_checkpoint()
     model = model if model is not None else parallel_state.state().model
     final = os.path.join(path, folders.folder(tag, partial))

@@ -123,6 +123,10 @@ def _saved_by_each_writer(rank, world_size, folder):
 
     model, optimizer, train = tiny(smp, {}, width=32, optimizer=torch.optim.Adam)
     train(torch.full((4, 32), 1.0))
+    try:
+        smp.save_checkpoint(folder, "bad", model=model, optimizer=optimizer, async_save="fast")
+    except ValueError as err:
+        refused = str(err)
     pids = {}
     for how in ("thread", "process"):
         pending = smp.save_checkpoint(folder, f"by_{how}", model=model, optimizer=optimizer, async_save=how)
@@ -141,7 +145,7 @@ def _saved_by_each_writer(rank, world_size, folder):
         )
         pids["fallback"] = pending.writer_pid
         pending.wait()
-    return os.getpid(), pids, [str(w.message) for w in caught]
+    return os.getpid(), pids, [str(w.message) for w in caught], refused
 
 
 def test_a_writer_process_writes_what_a_thread_would(tmp_path):
@@ -151,7 +155,8 @@ def test_a_writer_process_writes_what_a_thread_would(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     results = run_ranks(_saved_by_each_writer, 2, str(tmp_path), timeout=180)
-    for pid, pids, caught in results:
+    for pid, pids, caught, refused in results:
+        assert "async_save='fast'" in refused and "'process'" in refused, refused
         assert pids["thread"] is None and pids["fallback"] is None, pids
         assert pids["process"] is not None and pids["process"] != pid, pids
         assert pids["new"] not in (None, pids["process"]), pids  # a new writer for the next save

@@ -103,11 +103,7 @@ def save_whole(tensors: dict[str, Any], folder: str, group: dist.ProcessGroup | 
 
 def nbytes(tensors: dict[str, Any]) -> int:
     """The bytes `tensors` (Slices or tensors) hold: what staging them copies."""
-    total = 0
-    for value in tensors.values():
-        views = [view for _, view in value.pieces] if isinstance(value, Slices) else [value]
-        total += sum(view.numel() * view.element_size() for view in views)
-    return total
+    return sum(t.numel() * t.element_size() for _, t in _named_tensors(tensors))
 
 
 class Staging:
