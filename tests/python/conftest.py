@@ -25,3 +25,21 @@ def group():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the long variants (marked slow); the default suite stays under 40 minutes on 2 cores",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # The long variants (more processes, bigger matrices) of tests whose short forms run by default.
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: a long variant; run it with `bash tests/run.sh --slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

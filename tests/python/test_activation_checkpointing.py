@@ -64,7 +64,6 @@ def _hf(rank, world_size):
     }
 
 
-@pytest.mark.slow
 def test_hf_llama_and_gpt2_pp2_tp2_every_layer(capfd):
     """Llama checkpointed with smp's call, GPT-2 with HF's gradient_checkpointing_enable() (which
     smp takes over as "each"): both train as one process does, every decoder layer recomputed."""

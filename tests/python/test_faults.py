@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
 from fault_trials import PHASES, STEPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,7 +114,6 @@ def test_kill_a_rank():
     _run_kill_trials(4, seed=1)
 
 
-@pytest.mark.slow
 def test_kill_a_rank_many():
     _run_kill_trials(20, seed=2)
 

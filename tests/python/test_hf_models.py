@@ -75,7 +75,6 @@ def _train(rank, world_size, config):
     return results
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity(layout):
     world_size, config = LAYOUTS[layout]

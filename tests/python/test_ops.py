@@ -364,7 +364,6 @@ def _mlp(x, w1, b1, w2, b2, group):
     return ops.row_parallel_linear(F.gelu(ops.column_parallel_linear(x, w1, b1, group)), w2, b2, group)
 
 
-@pytest.mark.slow  # 25-30 s with a cold inductor cache (its C++ kernels compiled), ~2 s warm
 def test_compile_inductor_linear_ops(group):
     args = (_randn(2, 3, 4), _randn(8, 4), _randn(8), _randn(4, 8), _randn(4), group)
     (out, grads), (c_out, c_grads) = _eager_and_compiled(_mlp, args, "inductor")

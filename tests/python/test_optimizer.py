@@ -33,9 +33,7 @@ def _both_optimizers(rank, world_size, base):
     }
 
 
-@pytest.mark.parametrize(
-    "layout", ["rdp2", pytest.param("rdp4", marks=pytest.mark.slow), "pp2_rdp2", "tp2_rdp2"]
-)
+@pytest.mark.parametrize("layout", ["rdp2", "rdp4", "pp2_rdp2", "tp2_rdp2"])
 def test_sharded_state_parity_and_bytes(layout):
     world_size, base, rdp = LAYOUTS[layout]
     for by_kind in run_ranks(_both_optimizers, world_size, base, timeout=600):

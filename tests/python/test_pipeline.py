@@ -23,7 +23,6 @@ def _check_parity(results):
         assert r["grad_err"] < GRAD_RTOL, r
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pp,dp", LAYOUTS)
 def test_gpt_parity(pp, dp):
     # One launch per layout runs every schedule and microbatch count (smp.parallel_state.reset between).

@@ -364,7 +364,6 @@ def _compiled(rank, world_size):
     return runs
 
 
-@pytest.mark.slow
 def test_sdp_compiles_each_layer_inside_its_unit():
     """compile with sdp, whole and with tp=2 or pp=2 (4 ranks): each layer (its forward, or its
     body in the stage graph) is compiled inside its FSDP2 unit; parity with one process."""

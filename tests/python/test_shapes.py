@@ -117,7 +117,6 @@ def _compiled(rank, world_size, layout=None):
     return r
 
 
-@pytest.mark.slow
 def test_compile_pp2_tp2_parity():
     """ "compile": true (inductor) at pp=2 x tp=2: within 1e-4 of one process (inductor reorders
     sums); one compilation per new signature on each rank."""
@@ -126,7 +125,6 @@ def test_compile_pp2_tp2_parity():
         assert r["compiles"] == len(COMPILE_STEPS), r
 
 
-@pytest.mark.slow
 def test_compile_data_parallel_parity():
     """ "compile" at pp = tp = 1 (two replicas, the model running whole): the model is compiled,
     once per signature, with the gradient buckets' hooks outside the graph; within 1e-4."""
@@ -136,7 +134,6 @@ def test_compile_data_parallel_parity():
         assert r["compiles"] == len(COMPILE_STEPS), r
 
 
-@pytest.mark.slow
 def test_compile_tp2_parity():
     """ "compile" at tp=2 alone (pp = 1: the one stage's graph, its TP ops inside it): within 1e-4,
     once per signature."""
@@ -145,7 +142,6 @@ def test_compile_tp2_parity():
         assert r["compiles"] == len(COMPILE_STEPS), r
 
 
-@pytest.mark.slow
 def test_compile_zero_bubble_v_parity():
     """ "compile" under zero_bubble_v at pp=2: both of a rank's stages compiled, once per signature
     each (2 stages x 2 signatures), within 1e-4 of one process."""

@@ -419,7 +419,6 @@ def _pp2_tp2(rank, world_size):
     return results
 
 
-@pytest.mark.slow
 def test_rotary_blocks_in_a_tensor_parallel_pipeline():
     """GPT-J's and GPT-NeoX's blocks as DistributedTransformerLayers on two pipeline stages of two
     tensor-parallel ranks each: 3 SGD steps track HF's model."""

@@ -38,9 +38,7 @@ def _check(results, tp):
             assert r["local_numel"][name] * tp == r["full_numel"][name], name
 
 
-@pytest.mark.parametrize(
-    "layout", ["tp2", pytest.param("tp4", marks=pytest.mark.slow), "pp2_tp2", "tp2_rdp2"]
-)
+@pytest.mark.parametrize("layout", ["tp2", "tp4", "pp2_tp2", "tp2_rdp2"])
 def test_parity(layout):
     world_size, base = LAYOUTS[layout]
     configs = [base | {"prescaled_batch": prescaled} for prescaled in (False, True)]

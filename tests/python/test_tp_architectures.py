@@ -39,7 +39,7 @@ def _train_all(rank, world_size):
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 4 min on 2 cores: runs with --slow (test_hf_models' tp layouts always)
 def test_eight_architectures_train_with_parity_and_mostly_sharded():
     per_rank = run_ranks(_train_all, 4, timeout=900)
     shares = {}

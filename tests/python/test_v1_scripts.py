@@ -70,7 +70,6 @@ def _check(result_file: Path, reference, what: str, replicas: int):
     assert err < 1e-5, (what, err)
 
 
-@pytest.mark.slow
 def test_mnist_style_script_pp2_dp2_saves_and_loads_before_the_first_step(tmp_path):
     assert _smp_imports("v1_mnist") == ["import smdistributed.modelparallel.torch as smp"]
     mnist = _example("v1_mnist")
@@ -126,7 +125,6 @@ def _gpt2_reference(notebook, optimizer_steps: int, passes: int = 2, batch: int 
     return losses, net.state_dict()
 
 
-@pytest.mark.slow
 def test_gpt2_notebook_style_script_fp32_then_resumed_in_bf16(tmp_path):
     pytest.importorskip("transformers")
     assert _smp_imports("v1_gpt2_notebook") == [
