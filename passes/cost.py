@@ -22,6 +22,9 @@ from .fx_utils import COMPUTE_OPS, tensor_leaves
 FLOPS = "smp_flops"
 ACTIVATION_BYTES = "smp_activation_bytes"
 SECONDS = "smp_seconds"
+# On a node that stands for a region of nodes a pass replaced (one call of an experts module): their
+# FLOPs, which the call's own shapes do not tell.
+REGION_FLOPS = "smp_region_flops"
 
 # Bytes of state per parameter byte: the weights, their gradients and Adam's two moments.
 OPTIMIZER_FACTOR = 4
@@ -42,6 +45,8 @@ def annotate(gm: fx.GraphModule, seconds: Mapping[str, float] | None = None) -> 
 
 
 def node_flops(node: fx.Node) -> float:
+    if REGION_FLOPS in node.meta:
+        return float(node.meta[REGION_FLOPS])
     out = node.meta.get("val")
     target = node.target
     args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))

@@ -197,8 +197,15 @@ def _cuda_graph_message(c) -> str:
 
 def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
-    refused = ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree")
-    return [f"{k}={getattr(c, k)}" for k in refused if getattr(c, k) != 1]
+    refused = ("tensor_parallel_degree", "context_parallel_degree")
+    out = [f"{k}={getattr(c, k)}" for k in refused if getattr(c, k) != 1]
+    if c.pipeline_parallel_degree != 1 and c.sharded_data_parallel_degree != 1:
+        # (FSDP2 over pipeline stages would shard each block of experts over the sdp mesh)
+        out.append(
+            f"sharded_data_parallel_degree={c.sharded_data_parallel_degree} together with "
+            f"pipeline_parallel_degree={c.pipeline_parallel_degree}"
+        )
+    return out
 
 
 def _sdp(c) -> str:
@@ -247,14 +254,14 @@ AGREEMENT = (
         lambda c: (c.compile or {}).get("mode") in _CUDA_GRAPH_MODES and bool(_split_degrees(c)),
         _cuda_graph_message,
     ),
-    # Expert parallelism (smp.expert_parallel) composes with data parallelism only so far; compile
-    # is refused since the exchange's splits are read on the host (data dependent).
+    # Expert parallelism (smp.expert_parallel) composes with data and pipeline parallelism and sdp
+    # (not sdp over pipeline stages) so far.
     Rule(
         ("expert_parallel_degree", *_DEGREES, "context_parallel_degree", "shard_optimizer_state", "compile"),
         lambda c: c.expert_parallel_degree != 1 and bool(_ep_refused(c)),
         lambda c: (
-            f"smp config: expert_parallel_degree={c.expert_parallel_degree} runs with data parallelism "
-            f"only so far, not with {', '.join(_ep_refused(c))}; set expert_parallel_degree to 1 for "
+            f"smp config: expert_parallel_degree={c.expert_parallel_degree} runs with data and pipeline "
+            f"parallelism only so far, not with {', '.join(_ep_refused(c))}; set expert_parallel_degree to 1 for "
             "this layout, or drop the others (docs/expert_parallel.md says what composes)"
         ),
     ),

@@ -185,25 +185,31 @@ def _train(rank, world, case, ep, clip, extra=None):
         smp.set_activation_checkpointing(module.model.layers)
     opt = smp.DistributedOptimizer(torch.optim.Adam(module.parameters(), lr=LR))
 
-    # name -> the rows of the reference's parameter this rank holds (experts: its block).
-    rows = {}
-    for path, sub in module.named_modules():
-        piece = expert_slice(sub)
-        if piece is not None:
-            for name, _ in sub.named_parameters(recurse=False):
-                rows[f"{path}.{name}"] = slice(piece.start, piece.start + piece.local)
+    def expert_rows():
+        """name -> the rows of the reference's parameter this rank holds (experts: its block)."""
+        rows = {}
+        for path, sub in module.named_modules():
+            piece = expert_slice(sub)
+            if piece is not None:
+                for name, _ in sub.named_parameters(recurse=False):
+                    rows[f"{path}.{name}"] = slice(piece.start, piece.start + piece.local)
+        return rows
+
+    rows = expert_rows()  # (pipeline stages: known once the first step partitioned the model)
 
     # The first MoE layer's first routing: pairs this rank sends to each expert.
+    # (pipeline stages run the experts as one call in their graphs, not the module's forward)
     routed, calls = [], []
-    first = next(sub for sub in module.modules() if expert_slice(sub) is not None)
-    first.register_forward_pre_hook(lambda m, args: calls.append(1))  # forwards, recomputed ones too
-    first.register_forward_pre_hook(
-        lambda m, args: (
-            routed.append(torch.bincount(args[1].flatten(), minlength=EXPERTS).tolist())
-            if not routed
-            else None
+    if smp.pp_size() == 1:
+        first = next(sub for sub in module.modules() if expert_slice(sub) is not None)
+        first.register_forward_pre_hook(lambda m, args: calls.append(1))  # forwards, recomputed ones too
+        first.register_forward_pre_hook(
+            lambda m, args: (
+                routed.append(torch.bincount(args[1].flatten(), minlength=EXPERTS).tolist())
+                if not routed
+                else None
+            )
         )
-    )
 
     def ref_part(name, t):
         return t[rows[name]] if name in rows else t
@@ -223,6 +229,7 @@ def _train(rank, world, case, ep, clip, extra=None):
         microbatches = len(loss)
         loss = loss.reduce_mean()
         if s == 0:
+            rows = expert_rows()
             scale = max(g.abs().max().item() for g in ref_grads.values())
             # (sharded gradients keep only this rank's chunk: no .grad to compare)
             kept = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
@@ -280,7 +287,7 @@ def _train(rank, world, case, ep, clip, extra=None):
         "ep_rank": smp.ep_rank(),
         "microbatches": microbatches,
         "expert_calls": len(calls),
-        "routed": routed[0],
+        "routed": routed[0] if routed else None,
     }
 
 
@@ -333,6 +340,8 @@ def test_parity_with_one_process(case, world, ep, clip):
         ({"config": {"shard_optimizer_state": True, "shard_gradients": True}, "case": "mixtral"}, 4, 0.5),
         ({"config": {"compile": True}, "case": "mixtral"}, 2, None),
         ({"config": {"sharded_data_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
+        ({"config": {"pipeline_parallel_degree": 2, "microbatches": 2}}, 4, 0.5),
+        ({"config": {"pipeline_parallel_degree": 2, "compile": True}, "case": "mixtral"}, 4, None),
     ],
     ids=[
         "microbatches2",
@@ -341,6 +350,8 @@ def test_parity_with_one_process(case, world, ep, clip):
         "sharded_gradients",
         "compile",
         "sdp2",
+        "pp2",
+        "pp2_compile",
     ],
 )
 def test_parity_composed(extra, world, clip):
@@ -348,17 +359,25 @@ def test_parity_composed(extra, world, clip):
     decoder layer recomputed in backward (the exchange runs again), and with the optimizer state
     sharded (4 ranks, clipped: the experts' state cut across the 2 replicas holding them, the rest
     across all 4), also with only each rank's chunk of the gradients kept (ZeRO-2), compiled (the
-    exchange runs between the compiled graphs), and under sharded data parallelism (sdp=2 on 4
-    ranks, clipped: the experts sharded over the replicas holding them), against one process."""
+    exchange runs between the compiled graphs), under sharded data parallelism (sdp=2 on 4
+    ranks, clipped: the experts sharded over the replicas holding them), and over pipeline stages
+    (pp=2 x ep=2 on 4 ranks: each stage's experts modules one call in its graph, running the
+    exchange; with 2 microbatches and clipped, and compiled with the auxiliary loss over the
+    global batch), against one process."""
     case = extra.get("case", "mixtral_noaux" if "config" in extra else "mixtral")
+    pp = extra.get("config", {}).get("pipeline_parallel_degree", 1)
     results = run_ranks(_train, world, case, 2, clip, extra, timeout=600)
-    print({k: max(r[k] for r in results) for k in ("loss_err", "grad_err", "param_err", "norm_err")})
+    keys = ("loss_err", "grad_err", "aux_err", "norm_err", "param_err", "state_err")
+    print({k: max(r[k] for r in results) for k in keys})
     for r in results:
         assert r["grads_kept"] != extra.get("config", {}).get("shard_gradients", False)
         assert r["microbatches"] == extra.get("config", {}).get("microbatches", 1)
-        # Per step: once per microbatch, and once more in backward where the layer is recomputed.
-        assert r["expert_calls"] == STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
-        for key in ("loss_err", "grad_err", "norm_err", "param_err", "state_err"):
+        # Per step: once per microbatch, and once more in backward where the layer is recomputed
+        # (pipeline stages call the experts from their graphs: their half of the experts shows it).
+        assert r["expert_share"] == pytest.approx(0.5)
+        calls = STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
+        assert pp > 1 or r["expert_calls"] == calls
+        for key in keys:
             assert r[key] < TOL, (key, r)
     if extra.get("config", {}).get("sharded_data_parallel_degree"):
         # FSDP2 shards each block of experts over the 2 replicas holding it, not over the sdp mesh.
@@ -468,7 +487,8 @@ def _ep_checkpoint(rank, world, folder, layout):
         smp.save_checkpoint(folder, "step2", partial=partial, model=dmodel, optimizer=opt)
     smp.parallel_state.reset()
     results = []
-    for ep in (2, 1, 4):
+    dp = 4 // layout.get("pipeline_parallel_degree", 1)
+    for ep in (2, 1, 4) if dp == 4 else (2, 1):
         for partial in (True, False):
             dmodel, opt, train = build(ep)
             smp.resume_from_checkpoint(folder, tag="step2", partial=partial)
@@ -480,13 +500,19 @@ def _ep_checkpoint(rank, world, folder, layout):
 
 @pytest.mark.parametrize(
     "layout",
-    [{}, {"shard_optimizer_state": True}, {"sharded_data_parallel_degree": 2}],
-    ids=["whole_state", "sharded_optimizer_state", "sdp2"],
+    [
+        {},
+        {"shard_optimizer_state": True},
+        {"sharded_data_parallel_degree": 2},
+        {"pipeline_parallel_degree": 2},
+    ],
+    ids=["whole_state", "sharded_optimizer_state", "sdp2", "pp2"],
 )
 def test_ep_checkpoint_moves_between_ep_degrees(tmp_path, layout):
     """A checkpoint written at ep=2 (each rank writing its block of the experts once, the first of
     its replicas; with sharded optimizer state or sdp each replica its chunk or rows of the block)
-    resumes at ep=2, at ep=1 and at ep=4, partial and full, and the last 2 steps then give the
+    resumes at ep=2, at ep=1 and at ep=4 (with pp=2 on 4 ranks, dp=2: ep=2 and ep=1), partial and
+    full, and the last 2 steps then give the
     uninterrupted run's model: the experts' blocks and their Adam state are stored in global
     coordinates."""
     results, moved_by_two = run_ranks(_ep_checkpoint, 4, str(tmp_path), layout, timeout=600)[0]

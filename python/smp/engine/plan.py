@@ -21,13 +21,16 @@ import torch.distributed as dist
 from torch import nn
 
 import smp.passes as passes
+from smp import params as param_facts
 from smp import recompute
 from smp.config import Config
 from smp.context_parallel import cut_modes
 from smp.data_parallel import replicas
 from smp.engine import delayed_init
 from smp.engine.skeleton import Skeleton
-from smp.expert_parallel import ExpertPlacement, distribute, scale_gradients
+from smp.expert_parallel import ExpertPlacement, distribute, global_router_losses, scale_gradients
+from smp.expert_parallel import graph as expert_graph
+from smp.expert_parallel.find import check_divides, expert_banks
 from smp.groups import ParallelGroups
 from smp.passes.regions import Region
 from smp.pipeline import placement
@@ -100,7 +103,10 @@ def place_whole(module: nn.Module, config: Config, groups: ParallelGroups) -> Pl
     tensors = list(module.parameters()) + list(module.buffers())
     grad_group = replicas.broadcast_over(tensors, groups.dp, groups.dp_ranks)
     # After the broadcast: the replicas agree on every expert, and each keeps its ep rank's block.
-    experts = distribute(module, groups) if groups.ep_size > 1 else None
+    experts = None
+    if groups.ep_size > 1:
+        experts = distribute(module, groups)
+        global_router_losses(module, groups.dp)
     return Plan(config.schedule(), groups.pp_rank, device, {}, (), {}, grad_group, experts=experts)
 
 
@@ -135,6 +141,7 @@ def place_sharded(
             list(module.parameters()) + list(module.buffers()), groups.dp, groups.dp_ranks
         )
         experts = distribute(module, groups)
+        global_router_losses(module, groups.dp)
         # An expert's gradient holds every ep rank's tokens already: one process's is its sum over
         # the dp/ep replicas holding it divided by dp, and FSDP2 divides by dp/ep (a divide factor
         # of its own needs PREMUL_SUM, which Gloo lacks), so the banks' gradients come scaled 1/ep.
@@ -185,13 +192,17 @@ def make_plan(
     retarget = device if delayed else None
     schedule = config.schedule()
     own = schedule.rank_stages(groups.pp_rank)
+    banks = _expert_banks(module, groups)  # expert parallelism: each experts module one call
+    calls = [expert_graph.ExpertsCall(b) for b in banks]
 
     def _capture(module: nn.Module, args: tuple, kwargs: dict, retarget: torch.device | None):
         if not delayed:
-            return _capture_on(module, args, kwargs, retarget, device, skeleton if in_half else None)
-        with delayed_init.meta_buffers(module) as real_of:  # (one device: meta) then the real ones
             captured = _capture_on(module, args, kwargs, retarget, device, skeleton if in_half else None)
-        delayed_init.replace_in(captured.graph_module, real_of)
+        else:
+            with delayed_init.meta_buffers(module) as real_of:  # (one device: meta) then the real ones
+                captured = _capture_on(module, args, kwargs, retarget, device, skeleton if in_half else None)
+            delayed_init.replace_in(captured.graph_module, real_of)
+        expert_graph.collapse(captured.graph_module, calls)
         return captured
 
     captured = _capture(module, args, kwargs, retarget)
@@ -230,6 +241,9 @@ def make_plan(
             delayed_init.replace_in(graph_module, replaced)
     shared = replicas.shared_groups(captured.graph_module, partitions, schedule.stage_ranks, groups)
     grad_group = replicas.synchronize(module, set(specs), shared, groups)
+    holders = [c.graph_module for c, _ in modes.values()]
+    holders += [s.module for pipe in pipes.values() for s in pipe.stages if s.module is not None]
+    experts = _distribute_stages(module, banks, groups, holders) if banks else None
     stage_reads = _stage_reads(captured.graph_module, partition, own)
     sharded = None
     if config.sharded_data_parallel_degree > 1:  # FSDP2 over the sdp group averages the gradients
@@ -256,10 +270,36 @@ def make_plan(
         offloader,
         _split_regions(captured, partition, checkpointing),
         sharded,
+        experts,
     )
     if sharded is not None:
         sharded.counts = lambda p: plan.counts_in_norm(p, groups.tp_rank)
     return plan, pipes
+
+
+def _expert_banks(module: nn.Module, groups: ParallelGroups) -> list:
+    """The experts modules expert parallelism divides (none without it), checked against the whole
+    model; their routers' auxiliary loss made global before capture, so the graphs hold it."""
+    if groups.ep_size == 1:
+        return []
+    banks = expert_banks(module)
+    check_divides(banks, groups.ep_size, module)
+    global_router_losses(module, groups.dp)
+    return banks
+
+
+def _distribute_stages(
+    module: nn.Module, banks: list, groups: ParallelGroups, holders: list
+) -> ExpertPlacement:
+    """Cuts the experts modules this rank's stages hold to its block (after the replicas agreed on
+    them), and points the graphs (`holders`) reading their banks at the blocks."""
+    kept = expert_graph.held(banks)
+    full = [getattr(b.module, name) for b in kept for name in b.banks]
+    experts = distribute(module, groups, kept)
+    replaced = {id(p): param_facts.current(p) for p in full}
+    for graph_module in holders:
+        delayed_init.replace_in(graph_module, replaced)
+    return experts
 
 
 def combined_batch(config: Config, groups: ParallelGroups, batch_size: int | None) -> int | None:

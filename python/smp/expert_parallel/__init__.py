@@ -1,8 +1,10 @@
 """Expert parallelism (issue 47): a mixture of experts' experts divided among the ranks of the ep
 group, tokens exchanged to them and back (smp::moe_dispatch / smp::moe_combine).
 
-`distribute(module, groups)` finds the experts modules (`find.py`), keeps this rank's block of each
-(`bank.py`) and makes the router's auxiliary loss cover the global batch (`aux_loss.py`). It returns
+`distribute(module, groups)` finds the experts modules (`find.py`) and keeps this rank's block of
+each (`bank.py`); `global_router_losses` makes the router's auxiliary loss cover the global batch
+(`aux_loss.py`). In a captured model (pipeline stages) each experts module's nodes first become one
+call (`graph.py`), which runs the exchange once `distribute` cut the module. `distribute` returns
 an `ExpertPlacement`: which parameters are experts, whose gradients are combined over the replicas
 holding the same experts (the ep replica group) and not over all of data parallelism.
 """
@@ -33,6 +35,7 @@ __all__ = [
     "ExpertPlacement",
     "ExpertSlice",
     "distribute",
+    "global_router_losses",
     "expert_banks",
     "expert_slice",
     "grouped_matmul",
@@ -81,12 +84,16 @@ class ExpertPlacement:
         return out
 
 
-def distribute(module: nn.Module, groups: ParallelGroups) -> ExpertPlacement:
+def distribute(
+    module: nn.Module, groups: ParallelGroups, banks: list[ExpertBank] | None = None
+) -> ExpertPlacement:
     """Keeps this rank's experts of every experts module (the replicas must agree on the whole model
-    before: each keeps its block of the same banks)."""
+    before: each keeps its block of the same banks); `banks`: those of a pipeline stage, already
+    checked against the whole model (default: every one the module has, checked here)."""
     degree = groups.ep_size
-    banks = expert_banks(module)
-    check_divides(banks, degree, module)
+    if banks is None:
+        banks = expert_banks(module)
+        check_divides(banks, degree, module)
     rank = groups.ep_ranks.index(groups.rank)
     kept = []
     for bank in banks:
@@ -96,6 +103,5 @@ def distribute(module: nn.Module, groups: ParallelGroups) -> ExpertPlacement:
             param_facts.mark_moved(full, mine)
             param_facts.mark_expert(mine)
             kept.append(mine)
-    global_router_losses(module, groups.dp)
     replicas = groups.ep_replica if len(groups.ep_replica_ranks) > 1 else None
     return ExpertPlacement(degree, tuple(banks), tuple(kept), replicas, groups.ep, rank)

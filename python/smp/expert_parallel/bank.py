@@ -21,6 +21,7 @@ from torch import nn
 import smp.ops  # noqa: F401  (torch.ops.smp's fake kernels)
 
 _SLICE = "_smp_expert_slice"
+_BANKS = "_smp_expert_banks"  # the names of the module's banks (and biases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ def keep_local_experts(module: nn.Module, banks: tuple[str, ...], piece: ExpertS
         setattr(module, name, local)
         moved[full] = local
     setattr(module, _SLICE, piece)
+    setattr(module, _BANKS, banks)
     module.forward = types.MethodType(_exchanging_forward, module)
     return moved
 
@@ -61,16 +63,30 @@ def keep_local_experts(module: nn.Module, banks: tuple[str, ...], piece: ExpertS
 def _exchanging_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    piece: ExpertSlice = getattr(self, _SLICE)
+    banks = {name: getattr(self, name) for name in getattr(self, _BANKS)}
+    return exchange(self, hidden_states, top_k_index, top_k_weights, banks)
+
+
+def exchange(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    banks: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The experts module's output on its inputs, through this rank's experts (`banks`: its block
+    of each bank, by name): each pair sent to the rank holding its expert, the outputs brought back,
+    weighted and summed."""
+    piece: ExpertSlice = getattr(module, _SLICE)
     routed, counts, route = torch.ops.smp.moe_dispatch(
         hidden_states, top_k_index, piece.num_experts, piece.group_name
     )
-    if self.has_gate:
-        up = _experts_linear(self, routed, "gate_up_proj", counts)
-        hidden = self._apply_gate(up)
+    if module.has_gate:
+        up = _experts_linear(module, banks, routed, "gate_up_proj", counts)
+        hidden = module._apply_gate(up)
     else:
-        hidden = self.act_fn(_experts_linear(self, routed, "up_proj", counts))
-    out = _experts_linear(self, hidden, "down_proj", counts)
+        hidden = module.act_fn(_experts_linear(module, banks, routed, "up_proj", counts))
+    out = _experts_linear(module, banks, hidden, "down_proj", counts)
     return smp.ops.moe_combine(out, top_k_weights, route, piece.group_name)
 
 
@@ -79,14 +95,16 @@ def scale_gradients(module: nn.Module, factor: float) -> None:
     setattr(module, _SLICE, dataclasses.replace(getattr(module, _SLICE), grad_scale=factor))
 
 
-def _experts_linear(module: nn.Module, x: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
+def _experts_linear(
+    module: nn.Module, banks: dict[str, torch.Tensor], x: torch.Tensor, name: str, counts: torch.Tensor
+) -> torch.Tensor:
     """Rows of x (expert-major, `counts` per local expert) through their expert's matrix (+ bias)."""
     scale = getattr(module, _SLICE).grad_scale
-    bank = _ScaledGrad.apply(getattr(module, name), scale) if scale != 1.0 else getattr(module, name)
+    bank = _ScaledGrad.apply(banks[name], scale) if scale != 1.0 else banks[name]
     weight = bank if module.is_transposed else bank.transpose(-2, -1)  # [local, in, out]
     out = grouped_matmul(x.to(weight.dtype), weight, counts)
     if module.has_bias:
-        bias = getattr(module, f"{name}_bias")
+        bias = banks[f"{name}_bias"]
         bias = _ScaledGrad.apply(bias, scale) if scale != 1.0 else bias
         out = out + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
     return out

@@ -35,10 +35,18 @@ def local_part(
 
 
 def full_state_dict(
-    module: nn.Module, keys: list[str], specs: Mapping[int, passes.ShardSpec], groups: ParallelGroups
+    module: nn.Module,
+    keys: list[str],
+    specs: Mapping[int, passes.ShardSpec],
+    groups: ParallelGroups,
+    experts: ExpertPlacement | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The whole model's state under `keys` (a collective over the pipeline and tensor-parallel groups)."""
+    """The whole model's state under `keys` (a collective over the pipeline and tensor-parallel
+    groups, and with `experts` the ep group, whose blocks of each of this stage's banks are
+    gathered in rank order)."""
     local = _unsharded_local_state(module, specs, groups)
+    if experts is not None:
+        local = experts.gather_full(local)
     if groups.pp_size == 1:
         return {k: local[k] for k in keys}
     parts: list[Any] = [None] * groups.pp_size
@@ -212,8 +220,7 @@ class ModelState:
     def full(self) -> dict[str, torch.Tensor]:
         """The whole model's state (a collective: over the pipeline and tensor-parallel groups, and
         the ep group, whose blocks of every expert bank are gathered in rank order)."""
-        state = full_state_dict(self.module, self.keys, self.specs, self.groups)
-        return self.experts.gather_full(state) if self.experts is not None else state
+        return full_state_dict(self.module, self.keys, self.specs, self.groups, self.experts)
 
     def load(self, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
         """A whole model's state into this rank's part (each rank its block of the experts)."""
