@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=4 examples/train_gpt2.py            # pp=2 x tp=2 on CPU
     torchrun --standalone --nproc_per_node=8 examples/train_gpt2.py --pp 2 --tp 2   # + rdp=2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py --model mixtral --pp 1 --tp 1 --ep 2
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt2.py --model mixtral --pp 2 --tp 1 --ep 2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt2.py --pp 1 --tp 1 --cp 2 --seq-len 256
 
 The model is transformers' GPT2LMHeadModel, unmodified, built from a small config (no

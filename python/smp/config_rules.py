@@ -197,7 +197,7 @@ def _cuda_graph_message(c) -> str:
 
 def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
-    refused = ("tensor_parallel_degree", "context_parallel_degree")
+    refused = ("context_parallel_degree",)
     out = [f"{k}={getattr(c, k)}" for k in refused if getattr(c, k) != 1]
     if c.pipeline_parallel_degree != 1 and c.sharded_data_parallel_degree != 1:
         # (FSDP2 over pipeline stages would shard each block of experts over the sdp mesh)

@@ -178,7 +178,8 @@ def _train(rank, world, case, ep, clip, extra=None):
     extra = extra or {}
     smp.init({"expert_parallel_degree": ep, **extra.get("config", {})})
     torch.manual_seed(0)
-    model = copy.deepcopy(MODELS[case]())
+    with smp.tensor_parallelism(smp.tp_size() > 1):  # attention and dense layers: tp shards
+        model = copy.deepcopy(MODELS[case]())
     dmodel = smp.DistributedModel(model)
     module = dmodel.get_module()
     if extra.get("checkpoint"):  # every decoder layer recomputed in backward: the exchange runs again
@@ -198,9 +199,11 @@ def _train(rank, world, case, ep, clip, extra=None):
     rows = expert_rows()  # (pipeline stages: known once the first step partitioned the model)
 
     # The first MoE layer's first routing: pairs this rank sends to each expert.
-    # (pipeline stages run the experts as one call in their graphs, not the module's forward)
+    # (a captured model, pipeline stages or tp, runs the experts as one call in its graphs, not the
+    # module's forward)
     routed, calls = [], []
-    if smp.pp_size() == 1:
+    captured = smp.pp_size() > 1 or smp.tp_size() > 1
+    if not captured:
         first = next(sub for sub in module.modules() if expert_slice(sub) is not None)
         first.register_forward_pre_hook(lambda m, args: calls.append(1))  # forwards, recomputed ones too
         first.register_forward_pre_hook(
@@ -211,8 +214,10 @@ def _train(rank, world, case, ep, clip, extra=None):
             )
         )
 
-    def ref_part(name, t):
-        return t[rows[name]] if name in rows else t
+    params = dict(module.named_parameters())
+
+    def ref_part(name, t):  # (tensor parallelism: this rank's shard of the rest)
+        return t[rows[name]] if name in rows else dmodel._local_part(params[name], t)
 
     @smp.step
     def train_step(ids):
@@ -229,7 +234,7 @@ def _train(rank, world, case, ep, clip, extra=None):
         microbatches = len(loss)
         loss = loss.reduce_mean()
         if s == 0:
-            rows = expert_rows()
+            rows, params = expert_rows(), dict(module.named_parameters())
             scale = max(g.abs().max().item() for g in ref_grads.values())
             # (sharded gradients keep only this rank's chunk: no .grad to compare)
             kept = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
@@ -288,6 +293,8 @@ def _train(rank, world, case, ep, clip, extra=None):
         "microbatches": microbatches,
         "expert_calls": len(calls),
         "routed": routed[0] if routed else None,
+        "captured": captured,
+        "tp_share": report.sharded_share if (report := dmodel.tensor_parallel_report()) else None,
     }
 
 
@@ -342,6 +349,7 @@ def test_parity_with_one_process(case, world, ep, clip):
         ({"config": {"sharded_data_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
         ({"config": {"pipeline_parallel_degree": 2, "microbatches": 2}}, 4, 0.5),
         ({"config": {"pipeline_parallel_degree": 2, "compile": True}, "case": "mixtral"}, 4, None),
+        ({"config": {"tensor_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
     ],
     ids=[
         "microbatches2",
@@ -352,6 +360,7 @@ def test_parity_with_one_process(case, world, ep, clip):
         "sdp2",
         "pp2",
         "pp2_compile",
+        "tp2",
     ],
 )
 def test_parity_composed(extra, world, clip):
@@ -363,9 +372,9 @@ def test_parity_composed(extra, world, clip):
     ranks, clipped: the experts sharded over the replicas holding them), and over pipeline stages
     (pp=2 x ep=2 on 4 ranks: each stage's experts modules one call in its graph, running the
     exchange; with 2 microbatches and clipped, and compiled with the auxiliary loss over the
-    global batch), against one process."""
+    global batch), and with tensor parallelism (tp=2 x ep=2 on 4 ranks, clipped: attention and
+    routers cut by tp, each expert whole on its ep rank), against one process."""
     case = extra.get("case", "mixtral_noaux" if "config" in extra else "mixtral")
-    pp = extra.get("config", {}).get("pipeline_parallel_degree", 1)
     results = run_ranks(_train, world, case, 2, clip, extra, timeout=600)
     keys = ("loss_err", "grad_err", "aux_err", "norm_err", "param_err", "state_err")
     print({k: max(r[k] for r in results) for k in keys})
@@ -376,12 +385,15 @@ def test_parity_composed(extra, world, clip):
         # (pipeline stages call the experts from their graphs: their half of the experts shows it).
         assert r["expert_share"] == pytest.approx(0.5)
         calls = STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
-        assert pp > 1 or r["expert_calls"] == calls
+        assert r["captured"] or r["expert_calls"] == calls
         for key in keys:
             assert r[key] < TOL, (key, r)
     if extra.get("config", {}).get("sharded_data_parallel_degree"):
         # FSDP2 shards each block of experts over the 2 replicas holding it, not over the sdp mesh.
         assert [r["expert_mesh"] for r in results] == [world // 2] * world
+    if extra.get("config", {}).get("tensor_parallel_degree"):
+        # Attention, routers and embeddings cut by tp (the experts, whole per ep rank, not counted).
+        assert all(r["tp_share"] > 0.95 for r in results), [r["tp_share"] for r in results]
     if extra.get("config", {}).get("compile"):  # the layers around the exchange, compiled
         assert all(r["compiles"] > 0 for r in results), results
     if extra.get("config", {}).get("shard_optimizer_state"):

@@ -222,6 +222,7 @@ def make_plan(
     module_stages = {flags: passes.module_stages(c.graph_module, p) for flags, (c, p) in modes.items()}
     specs: dict[int, passes.ShardSpec] = {}
     tp_coverage, replicated, marked = None, {}, marked_modules(module)
+    marked -= {b.path for b in banks}  # (expert parallelism keeps each expert whole on its ep rank)
     if groups.tp_size > 1:
         combined = combined_batch(config, groups, batch_size)
         modes, specs, tp_coverage, replicated = shard_modes(
@@ -279,12 +280,13 @@ def make_plan(
 
 def _expert_banks(module: nn.Module, groups: ParallelGroups) -> list:
     """The experts modules expert parallelism divides (none without it), checked against the whole
-    model; their routers' auxiliary loss made global before capture, so the graphs hold it."""
+    model; their routers' auxiliary loss made global before capture, so the graphs hold it (over
+    the reduced data-parallel group: a tensor-parallel group's ranks route the same tokens)."""
     if groups.ep_size == 1:
         return []
     banks = expert_banks(module)
     check_divides(banks, groups.ep_size, module)
-    global_router_losses(module, groups.dp)
+    global_router_losses(module, groups.rdp)
     return banks
 
 
