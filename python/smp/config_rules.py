@@ -254,15 +254,16 @@ AGREEMENT = (
         lambda c: (c.compile or {}).get("mode") in _CUDA_GRAPH_MODES and bool(_split_degrees(c)),
         _cuda_graph_message,
     ),
-    # Expert parallelism (smp.expert_parallel) composes with data and pipeline parallelism and sdp
-    # (not sdp over pipeline stages) so far.
+    # Expert parallelism (smp.expert_parallel) composes with data, pipeline and tensor parallelism
+    # and sdp (not sdp over pipeline stages) so far.
     Rule(
         ("expert_parallel_degree", *_DEGREES, "context_parallel_degree", "shard_optimizer_state", "compile"),
         lambda c: c.expert_parallel_degree != 1 and bool(_ep_refused(c)),
         lambda c: (
-            f"smp config: expert_parallel_degree={c.expert_parallel_degree} runs with data and pipeline "
-            f"parallelism only so far, not with {', '.join(_ep_refused(c))}; set expert_parallel_degree to 1 for "
-            "this layout, or drop the others (docs/expert_parallel.md says what composes)"
+            f"smp config: expert_parallel_degree={c.expert_parallel_degree} runs with data, pipeline "
+            f"and tensor parallelism only so far, not with {', '.join(_ep_refused(c))}; set "
+            "expert_parallel_degree to 1 for this layout, or drop the others (docs/expert_parallel.md "
+            "says what composes)"
         ),
     ),
     Rule(

@@ -56,7 +56,7 @@ def test_ep_degree_must_divide_the_data_parallel_degree():
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2"),
+        ({"context_parallel_degree": 2}, "context_parallel_degree=2"),
         (
             {"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2},
             "sharded_data_parallel_degree=2 together with pipeline_parallel_degree=2",
@@ -64,10 +64,12 @@ def test_ep_degree_must_divide_the_data_parallel_degree():
     ],
 )
 def test_layouts_ep_does_not_serve_yet_are_refused(extra, named):
-    wanted = f"expert_parallel_degree=2 runs with data and pipeline parallelism only so far, not with {named}"
+    served = "data, pipeline and tensor parallelism"
+    wanted = f"expert_parallel_degree=2 runs with {served} only so far, not with {named}"
     with pytest.raises(ValueError, match=wanted):
         config_lib.parse({"expert_parallel_degree": 2, **extra})
-    config_lib.parse({"expert_parallel_degree": 2, "pipeline_parallel_degree": 2})  # served
+    for served in ({"pipeline_parallel_degree": 2}, {"tensor_parallel_degree": 2}):
+        config_lib.parse({"expert_parallel_degree": 2, **served})
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
