@@ -199,11 +199,12 @@ def _ep_refused(c) -> list[str]:
     """What expert parallelism does not serve yet, of what the config sets."""
     refused = ("context_parallel_degree",)
     out = [f"{k}={getattr(c, k)}" for k in refused if getattr(c, k) != 1]
-    if c.pipeline_parallel_degree != 1 and c.sharded_data_parallel_degree != 1:
-        # (FSDP2 over pipeline stages would shard each block of experts over the sdp mesh)
+    captured = [k for k in ("pipeline_parallel_degree", "tensor_parallel_degree") if getattr(c, k) != 1]
+    if captured and c.sharded_data_parallel_degree != 1:
+        # (FSDP2 over the captured stages would shard each block of experts over the sdp mesh)
         out.append(
             f"sharded_data_parallel_degree={c.sharded_data_parallel_degree} together with "
-            f"pipeline_parallel_degree={c.pipeline_parallel_degree}"
+            + " and ".join(f"{k}={getattr(c, k)}" for k in captured)
         )
     return out
 
@@ -255,7 +256,7 @@ AGREEMENT = (
         _cuda_graph_message,
     ),
     # Expert parallelism (smp.expert_parallel) composes with data, pipeline and tensor parallelism
-    # and sdp (not sdp over pipeline stages) so far.
+    # and sdp (not sdp over a captured model: pipeline stages or tp) so far.
     Rule(
         ("expert_parallel_degree", *_DEGREES, "context_parallel_degree", "shard_optimizer_state", "compile"),
         lambda c: c.expert_parallel_degree != 1 and bool(_ep_refused(c)),

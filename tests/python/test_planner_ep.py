@@ -1,7 +1,8 @@
 """The planner counts mixtures of experts and expert parallelism (docs/planner.md, "Mixtures of
 experts", docs/expert_parallel.md): E experts' parameters but top_k experts' compute per token, each
-ep rank holding E/ep experts of every MoE layer, the all-to-alls around the experts, and a walk that
-raises ep before tensor and pipeline parallelism (which smp refuses with it)."""
+ep rank holding E/ep experts of every MoE layer (whole, also under tensor parallelism), the
+all-to-alls around the experts, and a walk that raises ep before tensor and pipeline parallelism and
+then tries their layouts with ep too."""
 
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def test_the_walk_raises_ep_where_replicated_experts_do_not_fit():
     """Mixtral-8x7B on one node of 8 GPUs of 192 GB, one sequence each: its replicated experts do
     not fit, even with the optimizer state sharded over the 8 ranks; ep=2 with the state still
     sharded (each rank a half of every layer's experts) fits, the seed's first fit; ep=4 and 8 fit
-    too, and ep=8 (no expert replica to average) is the fastest."""
+    too, and ep=8 (no expert replica to average) is the fastest. The tp and pp steps then try
+    their layouts with ep too."""
     result = smp.plan(
         "mixtral-8x7b", seq_len=SEQ, global_batch=8, gpus=8, hardware="h200", gpu_memory="192GB"
     )
@@ -141,11 +143,12 @@ def test_the_walk_raises_ep_where_replicated_experts_do_not_fit():
     later = [s for s in steps if s.startswith(("4. tensor", "5. pipeline"))]
     assert list(steps).index(ep_steps[-1]) < min(list(steps).index(s) for s in later)
     assert "ep=2" in result.table() and "ep_comm" in result.table()
-    assert all(
-        c.layout.tp == 1 and c.layout.pp == 1 and c.layout.sdp == 1
-        for c in result.candidates
-        if c.layout.ep > 1
-    )
+    # Later steps try their tp and pp layouts with the widest ep their rdp allows (never with sdp).
+    composed = [c for c in result.candidates if c.layout.ep > 1 and (c.layout.tp > 1 or c.layout.pp > 1)]
+    assert composed and all(c.step.endswith(f"3a. expert parallelism {c.layout.ep}") for c in composed)
+    assert all(c.layout.sdp == 1 and c.layout.ep == c.layout.rdp for c in composed)
+    tp2 = steps["4. tensor parallelism 2, 3a. expert parallelism 4"]
+    assert tp2.layout.tp == 2 and tp2.time.ep_comm > 0 and tp2.time.tp_comm > 0
 
 
 def test_mixtral_on_80gb_gpus_raises_ep_until_it_fits_with_the_optimizer_state_sharded():
@@ -154,7 +157,7 @@ def test_mixtral_on_80gb_gpus_raises_ep_until_it_fits_with_the_optimizer_state_s
     is cut across the rdp/ep replicas holding the same experts, the rest across all of rdp."""
     facts = _facts()
     result = smp.plan("mixtral-8x7b", seq_len=SEQ, global_batch=256, gpus=64, hardware="h100-sxm")
-    tried = [c for c in result.candidates if c.layout.ep > 1]
+    tried = [c for c in result.candidates if c.step.startswith("3a. expert parallelism")]
     assert [(c.layout.ep, c.fits) for c in tried] == [(2, False), (4, True), (8, True)]
     four = tried[1]
     rdp = four.layout.rdp
@@ -181,11 +184,10 @@ def test_layout_round_trips_expert_parallel_degree():
 @pytest.mark.parametrize(
     ("config", "gpus", "match"),
     [
-        ({"expert_parallel_degree": 2, "tensor_parallel_degree": 2}, 8, "not with tensor_parallel_degree=2"),
         (
-            {"expert_parallel_degree": 2, "pipeline_parallel_degree": 2},
+            {"expert_parallel_degree": 2, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2},
             8,
-            "not with pipeline_parallel_degree=2",
+            "not with sharded_data_parallel_degree=2 together with tensor_parallel_degree=2",
         ),
         (
             {"expert_parallel_degree": 2, "context_parallel_degree": 2},
@@ -295,6 +297,25 @@ def test_a_measured_shared_expert_stays_with_the_layer_and_ep_divides_only_the_r
     )
     moved = plain.parameters - ep.evaluated.breakdown.parameters
     assert moved == pytest.approx(facts.expert_total / 2 * 4)  # fp32: half the routed experts' bytes
+
+
+def test_ep_with_tp_keeps_each_expert_whole_and_cuts_the_rest():
+    """ep=2 x tp=2 on 8 GPUs: the non-experts are tp shards, each rank's 4 experts whole (smp leaves
+    the experts out of the tp pass), so a rank holds the rest / 2 and the experts / 2; its expert
+    matmuls are whole ones, the same on both tp ranks (each runs the tp group's tokens)."""
+    facts = _facts()
+    job = dict(seq_len=SEQ, global_batch=8, gpus=8, hardware="h200")
+    both = smp.plan("mixtral-8x7b", **job, layout={"expert_parallel_degree": 2, "tensor_parallel_degree": 2})
+    tp_only = smp.plan("mixtral-8x7b", **job, layout={"tensor_parallel_degree": 2}).evaluated
+    layer_experts = facts.moe_layers / facts.layers * facts.experts * facts.expert.total
+    assert facts.layer_experts(2, 2) == pytest.approx(layer_experts / 2)  # whole experts, half of them
+    assert facts.layer_experts(2, 1) < layer_experts  # tp alone cuts each expert
+    got = both.evaluated
+    assert got.layout.ep == 2 and got.time.ep_comm > 0 and got.time.tp_comm > 0
+    # The same bytes of experts as tp=2 (half of each vs half of them), the compute per rank larger:
+    # each tp rank runs its experts whole on the group's tokens.
+    assert got.breakdown.parameters == pytest.approx(tp_only.breakdown.parameters, rel=0.02)
+    assert got.time.matmul > tp_only.time.matmul
 
 
 def test_ep_with_sdp_shards_the_experts_over_their_replicas():

@@ -130,10 +130,11 @@ class ModelFacts:
 
     def layer_experts(self, tp: int, ep: int = 1) -> float:
         """A layer's routed experts' parameters on one rank (the average per layer): E / ep whole
-        experts of every MoE layer, each as its tensor-parallel shard."""
+        experts of every MoE layer; without ep each as its tensor-parallel shard, under ep whole on
+        every rank of a tp group (smp leaves the experts out of the tp pass)."""
         if not self.experts:
             return 0.0
-        return self.moe_layers / self.layers * self.experts / ep * self.expert.per_rank(tp)
+        return self.moe_layers / self.layers * self.experts / ep * self.expert.per_rank(tp if ep == 1 else 1)
 
     def layer_per_rank(self, tp: int, ep: int = 1) -> float:
         """A layer's parameters on one rank (the average per layer), its experts included."""

@@ -239,11 +239,22 @@ def _divisors(n: int) -> list[int]:
 def ep_problem(layout: Layout, experts: int | None = None) -> str:
     """Why `layout`'s expert parallel degree cannot run ("" where it can), with the fix: ep blocks
     of data replicas divide every MoE layer's `experts` (None: not checked) among them. smp.init
-    refuses ep with pp, tp and cp (smp.config says so for an
+    refuses ep with cp, and with sdp over pipeline stages or tp (smp.config says so for an
     explicit layout)."""
     e = layout.ep
     if e == 1:
         return ""
+    captured = [
+        f"{k}={v}"
+        for k, v in (("pipeline_parallel_degree", layout.pp), ("tensor_parallel_degree", layout.tp))
+        if v > 1
+    ]
+    if layout.sdp > 1 and captured:
+        return (
+            f"{EP_KEY} {e} runs with data, pipeline and tensor parallelism, not with "
+            f"sharded_data_parallel_degree={layout.sdp} together with {' and '.join(captured)}; "
+            f"drop sdp, or {' and '.join(captured)}, or set {EP_KEY} to 1"
+        )
     if layout.rdp % e:
         return (
             f"{EP_KEY} {e} does not divide the reduced data parallel degree {layout.rdp}; choose one of "

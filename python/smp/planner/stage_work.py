@@ -29,8 +29,9 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
 - A mixture of experts: each MoE layer's routed experts' matrices (model_facts.Matmul.experts) run
   as E/ep grouped matmuls on the rank (its whole experts), each on its share of the top_k x T
   (token, expert) pairs that reach the rank's experts: top_k x T x ep / E rows each, the router
-  sending evenly. So the compute per token is top_k experts', not E's. A matrix only some layers
-  have (MoE and dense layers mixed) counts for its share of them. ep's all-to-alls are
+  sending evenly. So the compute per token is top_k experts', not E's. Under ep with tensor
+  parallelism each expert is whole, and every tp rank runs it on the tp group's tokens. A matrix
+  only some layers have (MoE and dense layers mixed) counts for its share of them. ep's all-to-alls are
   expert_costs.py's.
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
   gradient twice backward (attention and MLP), and the embedding's output and the head's input
@@ -126,7 +127,7 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
     tokens = rank_tokens(layout, workload, mb)
     fwd = bwd = 0.0
     for matrix in facts.matmuls:
-        k, n = matrix.per_rank(tp)
+        k, n = matrix.per_rank(1 if matrix.experts and layout.ep > 1 else tp)  # (ep: experts whole)
         rows, banks = tokens, 1
         if matrix.experts:  # the rank's E/ep experts, each on its share of the pairs
             banks = max(1, matrix.experts // layout.ep)

@@ -13,8 +13,10 @@ time (step_time.py). The seed stopped at the first configuration that fits; that
    two dividing rdp and the experts per layer), each evaluated (more ep, fewer expert replicas to
    average: the fastest that fits is not always the first); each rank holds E/ep of every
    MoE layer's experts; where none fits, sdp over the widest ep (each block of experts sharded over
-   the replicas holding it). Before sdp, tensor and pipeline parallelism alone (smp refuses the
-   latter two with ep): they start from the layout without ep, ranked beside it.
+   the replicas holding it). The next steps start from the layout without ep, ranked beside it;
+   where the replicated experts did not fit, steps 4 (tensor parallelism) and 5 (pipeline) also
+   try each of their layouts with the widest ep its rdp allows (experts whole per ep rank; smp
+   does not run sdp over a captured model with ep, so sdp layouts keep ep only without tp and pp).
 4. Split the model's state, where SMP's later best practice put sharded data parallelism first:
    - sharded data parallelism (sdp, in place of the sharded optimizer state, checkpointing kept),
      every degree dividing rdp, degrees whose group stays inside a node first, each kind smallest
@@ -106,6 +108,7 @@ class Walk:
     runtime: memory.Runtime
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    wants_ep: bool = False  # the replicated experts did not fit: tp and pp layouts try ep too
 
     @property
     def fitted(self) -> bool:
@@ -119,6 +122,15 @@ class Walk:
             return False
         self.candidates.append(candidate)
         return candidate.fits
+
+    def attempt_with_ep(self, step: str, layout: Layout) -> bool:
+        """`layout` and, where the walk wants ep, the same with the widest ep its rdp allows."""
+        fits = self.attempt(step, layout)
+        served = self.wants_ep and layout.cp == 1 and (layout.sdp == 1 or layout.pp == layout.tp == 1)
+        degrees = ep_degrees(layout, self.facts.experts) if served else []
+        if degrees:
+            fits |= self.attempt(f"{step}, {EP_STEP} {degrees[-1]}", layout.replace(ep=degrees[-1]))
+        return fits
 
     def probe(self, layout: Layout) -> Candidate | None:
         """`layout` evaluated without listing it (None where its batch does not split)."""
@@ -235,7 +247,7 @@ def _tensor_parallel(w: Walk, layout: Layout) -> Layout:
             w.notes.append(f"4. tensor parallelism {tp}: skipped ({why})")
         else:
             best = layout.replace(tp=tp, rdp=w.workload.gpus // (tp * layout.cp), prescaled_batch=True)
-            w.attempt(f"4. tensor parallelism {tp}", best)
+            w.attempt_with_ep(f"4. tensor parallelism {tp}", best)
         tp *= 2
     return best
 
@@ -267,13 +279,13 @@ def _pipeline(w: Walk, layout: Layout) -> Layout:
         for i, m in enumerate(choices):
             last = staged.replace(microbatches=m, active_microbatches=None)
             step = f"5. pipeline {pp} across nodes" if i == 0 else f"5. pipeline {pp}, more microbatches"
-            fitted |= w.attempt(f"{step} (m={m})", last)
+            fitted |= w.attempt_with_ep(f"{step} (m={m})", last)
         # Fewer microbatches in flight only save memory: tried while none of this degree fits.
         for active in range(last.active - 1, 0, -1):
             if fitted:
                 break
             last = last.replace(active_microbatches=active)
-            fitted = w.attempt(f"5. pipeline {pp}, fewer active microbatches ({active})", last)
+            fitted = w.attempt_with_ep(f"5. pipeline {pp}, fewer active microbatches ({active})", last)
         pp *= 2
     return last
 
@@ -309,6 +321,7 @@ def _expert_parallel(w: Walk, layout: Layout) -> Layout:
             f"{w.facts.experts} experts)"
         )
         return layout
+    w.wants_ep = True
     fits = [w.attempt(f"{EP_STEP} {n}", base.replace(ep=n)) for n in degrees]  # each ranked
     if not any(fits):
         # The widest ep, its non-experts sharded over sdp and each block of experts over the
@@ -316,8 +329,8 @@ def _expert_parallel(w: Walk, layout: Layout) -> Layout:
         widest = base.replace(ep=degrees[-1])
         _sharded_data_parallel(w, widest, f"{EP_STEP} {degrees[-1]}, sharded data parallelism")
         w.notes.append(
-            f"{EP_STEP}: none fits up to ep={degrees[-1]} alone (smp refuses tp and pp with ep); the "
-            "next steps start from the layout without ep"
+            f"{EP_STEP}: none fits up to ep={degrees[-1]} alone; the next steps start from the "
+            "layout without ep, their tp and pp layouts also tried with ep"
         )
     return layout
 
