@@ -47,6 +47,9 @@ class ParallelGroups:
     ep_replica: dist.ProcessGroup | None = None
     ep_ranks: tuple[int, ...] = ()
     ep_replica_ranks: tuple[int, ...] = ()
+    # The ep replicas with their tp ranks: every rank holding the same experts.
+    ep_holders: dist.ProcessGroup | None = None
+    ep_holders_ranks: tuple[int, ...] = ()
     # Context parallelism: the ranks cutting one batch's sequences (None: not made).
     cp: dist.ProcessGroup | None = None
     cp_ranks: tuple[int, ...] = ()

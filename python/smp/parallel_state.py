@@ -230,6 +230,8 @@ def parallel_groups() -> ParallelGroups:
         ep_replica=s.process_groups[CommGroup.EP_REPLICA_GROUP],
         ep_ranks=ranks[CommGroup.EP_GROUP],
         ep_replica_ranks=ranks[CommGroup.EP_REPLICA_GROUP],
+        ep_holders=s.process_groups[CommGroup.EP_HOLDERS_GROUP],
+        ep_holders_ranks=ranks[CommGroup.EP_HOLDERS_GROUP],
         cp=s.process_groups[CommGroup.CP_GROUP],
         cp_ranks=ranks[CommGroup.CP_GROUP],
         cp_rank=s.topology.group_rank(CommGroup.CP_GROUP, s.rank),

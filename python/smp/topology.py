@@ -27,7 +27,9 @@ SDP_REPLICA_GROUP the ranks holding the same shard in every block (the hybrid-sh
 With R = D * cp + C, R = block * sdp * cp + i.
 Expert parallelism (ep, dividing rdp) cuts each RDP_GROUP into blocks of ep consecutive replicas:
 EP_GROUP is one block (the ranks holding disjoint sets of experts, between which tokens travel),
-EP_REPLICA_GROUP the ranks at the same place in every block (they hold the same experts).
+EP_REPLICA_GROUP the ranks at the same place in every block (they hold the same experts), and
+EP_HOLDERS_GROUP those with their tp ranks (under tp each expert is whole on every rank of a tp
+group, each rank running it on its part of the group's tokens).
 Within a group, a rank's index is its position among the group's ranks in ascending order.
 """
 
@@ -49,6 +51,7 @@ class CommGroup(enum.Enum):
     SDP_REPLICA_GROUP = "sdp_replica"
     EP_GROUP = "ep"
     EP_REPLICA_GROUP = "ep_replica"
+    EP_HOLDERS_GROUP = "ep_holders"
     CP_GROUP = "cp"
     RDP_CP_GROUP = "rdp_cp"
     DP_CP_GROUP = "dp_cp"
@@ -82,6 +85,7 @@ _VARYING = {
     CommGroup.DP_CP_GROUP: "DCT",
     CommGroup.EP_GROUP: "D",  # part of D: D // ep agrees (see _key)
     CommGroup.EP_REPLICA_GROUP: "D",  # part of D: D % ep agrees
+    CommGroup.EP_HOLDERS_GROUP: "DT",  # part of D (D % ep agrees), all T
 }
 
 
@@ -94,6 +98,8 @@ def _key(kind: CommGroup, c: dict[str, int], t: Topology) -> tuple[int, ...]:
     if kind in (CommGroup.EP_GROUP, CommGroup.EP_REPLICA_GROUP):
         part = c["D"] // t.ep if kind is CommGroup.EP_GROUP else c["D"] % t.ep
         return (c["C"], c["P"], c["T"], part)
+    if kind is CommGroup.EP_HOLDERS_GROUP:
+        return (c["C"], c["P"], c["D"] % t.ep)
     return tuple(c[a] for a in "DCPT" if a not in _VARYING[kind])
 
 
@@ -207,6 +213,8 @@ class Topology:
             return self.ep
         if group is CommGroup.EP_REPLICA_GROUP:
             return self.rdp // self.ep
+        if group is CommGroup.EP_HOLDERS_GROUP:
+            return self.rdp // self.ep * self.tp
         size = 1
         for axis in _VARYING[group]:
             size *= self.sizes[axis]

@@ -22,7 +22,9 @@ def _independent_ep_groups(world: int, pp: int, tp: int, ep: int, order: str) ->
         same_pt = [q for q, d in enumerate(coords) if (d["P"], d["T"]) == (c["P"], c["T"])]
         group = [q for q in same_pt if coords[q]["D"] // ep == c["D"] // ep]
         replicas = [q for q in same_pt if coords[q]["D"] % ep == c["D"] % ep]
-        out[r] = (group, replicas)
+        same_p = [q for q, d in enumerate(coords) if d["P"] == c["P"]]
+        holders = [q for q in same_p if coords[q]["D"] % ep == c["D"] % ep]  # every tp rank too
+        out[r] = (group, replicas, holders)
     return out
 
 
@@ -32,12 +34,14 @@ def test_ep_groups_cut_each_rdp_group_into_blocks(order):
         t = Topology(world, pp, tp, order, ep=ep)
         expected = _independent_ep_groups(world, pp, tp, ep, order)
         for r in range(world):
-            group, replicas = expected[r]
+            group, replicas, holders = expected[r]
             assert t.group_ranks(G.EP_GROUP, r) == group
             assert t.group_ranks(G.EP_REPLICA_GROUP, r) == replicas
+            assert t.group_ranks(G.EP_HOLDERS_GROUP, r) == holders
             assert t.group_rank(G.EP_GROUP, r) == t.coords(r)["D"] % ep
         assert t.group_size(G.EP_GROUP) == ep
         assert t.group_size(G.EP_REPLICA_GROUP) == world // (pp * tp * ep)
+        assert t.group_size(G.EP_HOLDERS_GROUP) == world // (pp * ep)
         # Each rank's ep group and its replica group meet in it alone; together they span its rdp group.
         for r in range(world):
             assert set(t.group_ranks(G.EP_GROUP, r)) & set(t.group_ranks(G.EP_REPLICA_GROUP, r)) == {r}

@@ -466,7 +466,8 @@ def _ep_checkpoint(rank, world, folder, layout):
         torch.manual_seed(0)
         # (no auxiliary loss: without ep it would be each replica's, not the global batch's, and
         # the runs on other ep degrees would train another model)
-        dmodel = smp.DistributedModel(MODELS["mixtral_noaux"]())
+        with smp.tensor_parallelism(smp.tp_size() > 1):
+            dmodel = smp.DistributedModel(MODELS["mixtral_noaux"]())
         opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.get_module().parameters(), lr=LR))
 
         @smp.step
@@ -499,9 +500,10 @@ def _ep_checkpoint(rank, world, folder, layout):
         smp.save_checkpoint(folder, "step2", partial=partial, model=dmodel, optimizer=opt)
     smp.parallel_state.reset()
     results = []
-    dp = 4 // layout.get("pipeline_parallel_degree", 1)
+    dp = 4 // layout.get("pipeline_parallel_degree", 1) // layout.get("tensor_parallel_degree", 1)
     for ep in (2, 1, 4) if dp == 4 else (2, 1):
-        for partial in (True, False):
+        # (captured layouts, whose every build is a capture: partial at ep=2, full at ep=1)
+        for partial in (True, False) if dp == 4 else (ep == 2,):
             dmodel, opt, train = build(ep)
             smp.resume_from_checkpoint(folder, tag="step2", partial=partial)
             train(range(2, 4))  # (the resume takes effect at the first step)
@@ -517,13 +519,15 @@ def _ep_checkpoint(rank, world, folder, layout):
         {"shard_optimizer_state": True},
         {"sharded_data_parallel_degree": 2},
         {"pipeline_parallel_degree": 2},
+        {"tensor_parallel_degree": 2},
     ],
-    ids=["whole_state", "sharded_optimizer_state", "sdp2", "pp2"],
+    ids=["whole_state", "sharded_optimizer_state", "sdp2", "pp2", "tp2"],
 )
 def test_ep_checkpoint_moves_between_ep_degrees(tmp_path, layout):
     """A checkpoint written at ep=2 (each rank writing its block of the experts once, the first of
     its replicas; with sharded optimizer state or sdp each replica its chunk or rows of the block)
-    resumes at ep=2, at ep=1 and at ep=4 (with pp=2 on 4 ranks, dp=2: ep=2 and ep=1), partial and
+    resumes at ep=2, at ep=1 and at ep=4 (with pp=2 or tp=2 on 4 ranks, rdp=2: ep=2 partial and
+    ep=1 full), partial and
     full, and the last 2 steps then give the
     uninterrupted run's model: the experts' blocks and their Adam state are stored in global
     coordinates."""

@@ -25,6 +25,7 @@ from smp.expert_parallel.bank import (
     grouped_matmul,
     keep_local_experts,
     scale_gradients,
+    split_tokens,
 )
 from smp.expert_parallel.find import ExpertBank, ExpertLayoutError, check_divides, expert_banks
 from smp.groups import ParallelGroups
@@ -50,8 +51,9 @@ class ExpertPlacement:
     degree: int
     banks: tuple[ExpertBank, ...]
     params: tuple[nn.Parameter, ...]  # this rank's expert parameters
-    # Expert gradients are summed over the replicas holding the same experts, then divided by the
-    # whole data-parallel degree: one process's gradient on the global batch.
+    # Expert gradients are summed over the ranks holding the same experts (the ep replicas, with
+    # their tp ranks under tp), then divided by the whole data-parallel degree: one process's
+    # gradient on the global batch.
     replica_group: dist.ProcessGroup | None
     group: dist.ProcessGroup | None = None  # the ep group (its ranks hold the other blocks)
     rank: int = 0  # this rank's place in it: its block of every bank
@@ -103,5 +105,16 @@ def distribute(
             param_facts.mark_moved(full, mine)
             param_facts.mark_expert(mine)
             kept.append(mine)
-    replicas = groups.ep_replica if len(groups.ep_replica_ranks) > 1 else None
+        if groups.tp_size > 1:  # each rank of a tp group sends its part of the group's tokens
+            split_tokens(bank.module, groups.tp.group_name, groups.tp_size, groups.tp_rank)
+    # (under tp each rank's expert gradients hold its part of the tokens: summed over the tp ranks too)
+    holders, ranks = (
+        (groups.ep_holders, groups.ep_holders_ranks)
+        if groups.tp_size > 1
+        else (
+            groups.ep_replica,
+            groups.ep_replica_ranks,
+        )
+    )
+    replicas = holders if len(ranks) > 1 else None
     return ExpertPlacement(degree, tuple(banks), tuple(kept), replicas, groups.ep, rank)

@@ -35,6 +35,12 @@ class ExpertSlice:
     # What the banks' gradients are multiplied by on their way to the parameters: 1, or 1/ep where
     # the replicas' averaging divides by dp/ep only (FSDP2 over them: sharded_data_parallel_degree).
     grad_scale: float = 1.0
+    # Tensor parallelism: the tp group whose ranks all receive the same tokens (None: no tp). Each
+    # rank sends its part of them to the experts; the outputs are gathered over the group, and the
+    # experts' gradients (each rank's part) are summed over it with the replicas' (EP_HOLDERS_GROUP).
+    token_group: str | None = None
+    token_parts: int = 1  # the tp group's size
+    token_part: int = 0  # this rank's place in it
 
 
 def expert_slice(module: nn.Module) -> ExpertSlice | None:
@@ -76,8 +82,24 @@ def exchange(
 ) -> torch.Tensor:
     """The experts module's output on its inputs, through this rank's experts (`banks`: its block
     of each bank, by name): each pair sent to the rank holding its expert, the outputs brought back,
-    weighted and summed."""
+    weighted and summed. Under tp (`ExpertSlice.token_group`) the ranks of a tp group, which hold
+    the same tokens, each send their part of them (rows [r T/tp, (r+1) T/tp)) and gather the
+    outputs: tp_split's backward gathers the inputs' gradients, tp_gather's takes the rank's part of
+    the output's (the same on every rank). A token count the group does not divide runs whole on
+    every rank."""
     piece: ExpertSlice = getattr(module, _SLICE)
+    rows = hidden_states.shape[0] // piece.token_parts
+    if piece.token_group is None or hidden_states.shape[0] % piece.token_parts:
+        return _exchange(module, piece, hidden_states, top_k_index, top_k_weights, banks)
+    group = piece.token_group
+    index = top_k_index[piece.token_part * rows : (piece.token_part + 1) * rows]
+    hidden = smp.ops.tp_split(hidden_states, 0, group=group)
+    weights = smp.ops.tp_split(top_k_weights, 0, group=group)
+    out = _exchange(module, piece, hidden, index, weights, banks)
+    return smp.ops.tp_gather(out, 0, group=group)
+
+
+def _exchange(module, piece: ExpertSlice, hidden_states, top_k_index, top_k_weights, banks) -> torch.Tensor:
     routed, counts, route = torch.ops.smp.moe_dispatch(
         hidden_states, top_k_index, piece.num_experts, piece.group_name
     )
@@ -88,6 +110,15 @@ def exchange(
         hidden = module.act_fn(_experts_linear(module, banks, routed, "up_proj", counts))
     out = _experts_linear(module, banks, hidden, "down_proj", counts)
     return smp.ops.moe_combine(out, top_k_weights, route, piece.group_name)
+
+
+def split_tokens(module: nn.Module, group_name: str, parts: int, part: int) -> None:
+    """From now on the module's tp group (`group_name`, `parts` ranks, this one `part`) sends each
+    rank's part of its tokens to the experts (ExpertSlice.token_group)."""
+    piece = getattr(module, _SLICE)
+    setattr(
+        module, _SLICE, dataclasses.replace(piece, token_group=group_name, token_parts=parts, token_part=part)
+    )
 
 
 def scale_gradients(module: nn.Module, factor: float) -> None:

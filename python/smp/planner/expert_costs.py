@@ -8,7 +8,9 @@ crosses nodes, as the TP, cp and data-parallel terms read it. Per MoE layer, for
 the combine (smp::moe_combine) brings the outputs back: two all-to-alls of top_k x T x hidden
 elements, each moving (ep - 1) / ep of them (the router sending evenly), as an all-gather of that
 buffer does. The backward sends both gradients: twice the forward's. A checkpointed layer's
-recomputed forward exchanges again. Nothing overlaps them (the splits are read on the host).
+recomputed forward exchanges again. Under tp each rank of a tp group exchanges its 1/tp of the
+group's tokens, and the parts are gathered over the tp group (the outputs forward, the inputs'
+gradients backward). Nothing overlaps them (the splits are read on the host).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout
 from smp.planner.memory import Workload, compute_bytes, held
 from smp.planner.model_facts import ModelFacts
-from smp.planner.stage_work import rank_tokens
+from smp.planner.stage_work import expert_tokens, rank_tokens
 
 
 def group(layout: Layout) -> kernels.Group:
@@ -35,10 +37,18 @@ def layer_traffic(
     """Seconds of one MoE layer's all-to-alls for one microbatch, (forward, backward)."""
     if layout.ep == 1 or not facts.experts:
         return 0.0, 0.0
-    nbytes = facts.top_k * rank_tokens(layout, workload, mb) * facts.hidden * compute_bytes(layout)
-    one = kernels.all_gather(hw, nbytes, group(layout), workload.gpus_per_node, workload.gpus)
+    tokens = rank_tokens(layout, workload, mb)
+    nbytes = facts.top_k * expert_tokens(layout, tokens) * facts.hidden * compute_bytes(layout)
+    per_node, gpus = workload.gpus_per_node, workload.gpus
+    one = kernels.all_gather(hw, nbytes, group(layout), per_node, gpus)
     forward = 2 * one  # dispatch and combine
-    return forward, 2 * forward
+    backward = 2 * forward
+    if layout.tp > 1:  # the tp ranks' parts gathered (forward: outputs; backward: input gradients)
+        gather = kernels.all_gather(
+            hw, tokens * facts.hidden * compute_bytes(layout), kernels.Group(layout.tp, 1), per_node, gpus
+        )
+        forward, backward = forward + gather, backward + gather
+    return forward, backward
 
 
 def microbatch_seconds(

@@ -30,7 +30,7 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   as E/ep grouped matmuls on the rank (its whole experts), each on its share of the top_k x T
   (token, expert) pairs that reach the rank's experts: top_k x T x ep / E rows each, the router
   sending evenly. So the compute per token is top_k experts', not E's. Under ep with tensor
-  parallelism each expert is whole, and every tp rank runs it on the tp group's tokens. A matrix
+  parallelism each expert is whole, and each tp rank sends its 1/tp of the tp group's tokens. A matrix
   only some layers have (MoE and dense layers mixed) counts for its share of them. ep's all-to-alls are
   expert_costs.py's.
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
@@ -121,6 +121,12 @@ def rank_tokens(layout: Layout, workload: Workload, mb: int) -> int:
     return mb * workload.seq_len // layout.cp
 
 
+def expert_tokens(layout: Layout, tokens: int) -> int:
+    """Of a rank's `tokens`, those it sends to the experts: under ep with tp, its part of the tp
+    group's (the group's ranks hold the same tokens and split them)."""
+    return tokens // layout.tp if layout.ep > 1 else tokens
+
+
 def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int) -> tuple[Pass, Pass]:
     """(forward, backward) of one layer for one microbatch, recompute not included."""
     dtype, tp = dtype_of(layout), layout.tp
@@ -131,7 +137,7 @@ def _layer(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, 
         rows, banks = tokens, 1
         if matrix.experts:  # the rank's E/ep experts, each on its share of the pairs
             banks = max(1, matrix.experts // layout.ep)
-            rows = max(1, round(tokens * facts.top_k / banks))
+            rows = max(1, round(expert_tokens(layout, tokens) * facts.top_k / banks))
         fwd += matrix.share * kernels.matmul(hw, dtype, rows, n, k, banks)
         backward = kernels.matmul(hw, dtype, rows, k, n, banks) + kernels.matmul(hw, dtype, k, n, rows, banks)
         bwd += matrix.share * backward

@@ -251,6 +251,9 @@ def _data_parallel(
         if experts:  # over the replicas holding the same experts, ep blocks apart
             holders = kernels.Group(replicas // layout.ep, layout.tp * layout.pp * layout.cp * layout.ep)
             traffic += kernels.all_reduce(hw, grads * experts / params, holders, per_node, gpus)
+            if layout.tp > 1:  # and over their tp ranks (each ran its part of the tokens)
+                tp_group = kernels.Group(layout.tp, 1)
+                traffic += kernels.all_reduce(hw, grads * experts / params, tp_group, per_node, gpus)
         window = busiest.backward.total
         last = kernels.all_reduce(hw, min(grads, BUCKET_BYTES), group, per_node, gpus)
     overlapped = runtime.overlapped_average and hw.overlap and replicas > 1

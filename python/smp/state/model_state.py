@@ -178,7 +178,7 @@ def state_places(
         for k in stage_keys:
             first.setdefault(k, stage)
     writes = frozenset(k for k in mine if first[k] == groups.pp_rank)
-    replicas = groups.ep_replica_ranks or (groups.rank,)
+    replicas = groups.ep_holders_ranks or (groups.rank,)  # (with their tp ranks: one writes)
     return StatePlaces(
         tuple(entries),
         names,
