@@ -350,6 +350,12 @@ def test_parity_with_one_process(case, world, ep, clip):
         ({"config": {"pipeline_parallel_degree": 2, "microbatches": 2}}, 4, 0.5),
         ({"config": {"pipeline_parallel_degree": 2, "compile": True}, "case": "mixtral"}, 4, None),
         ({"config": {"tensor_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
+        pytest.param(  # 8 ranks: 35 s on 2 cores
+            {"config": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}},
+            8,
+            0.5,
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "microbatches2",
@@ -361,6 +367,7 @@ def test_parity_with_one_process(case, world, ep, clip):
         "pp2",
         "pp2_compile",
         "tp2",
+        "pp2_tp2",
     ],
 )
 def test_parity_composed(extra, world, clip):
@@ -373,7 +380,8 @@ def test_parity_composed(extra, world, clip):
     (pp=2 x ep=2 on 4 ranks: each stage's experts modules one call in its graph, running the
     exchange; with 2 microbatches and clipped, and compiled with the auxiliary loss over the
     global batch), and with tensor parallelism (tp=2 x ep=2 on 4 ranks, clipped: attention and
-    routers cut by tp, each expert whole on its ep rank), against one process."""
+    routers cut by tp, each expert whole on its ep rank, each tp rank sending half the tokens;
+    with --slow also pp=2 x tp=2 x ep=2 on 8 ranks), against one process."""
     case = extra.get("case", "mixtral_noaux" if "config" in extra else "mixtral")
     results = run_ranks(_train, world, case, 2, clip, extra, timeout=600)
     keys = ("loss_err", "grad_err", "aux_err", "norm_err", "param_err", "state_err")
