@@ -8,6 +8,7 @@ after a few Adam steps."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -178,9 +179,14 @@ def _train(rank, world, case, ep, clip, extra=None):
     extra = extra or {}
     smp.init({"expert_parallel_degree": ep, **extra.get("config", {})})
     torch.manual_seed(0)
-    with smp.tensor_parallelism(smp.tp_size() > 1):  # attention and dense layers: tp shards
+    delayed = smp.delay_param_initialization() if extra.get("delayed") else contextlib.nullcontext()
+    with smp.tensor_parallelism(smp.tp_size() > 1), delayed:  # attention and dense layers: tp shards
         model = copy.deepcopy(MODELS[case]())
     dmodel = smp.DistributedModel(model)
+    started_meta = any(p.is_meta for p in model.parameters())
+    if extra.get("delayed"):  # each rank allocates its part only; then the reference's weights
+        torch.manual_seed(0)
+        dmodel.load_state_dict(MODELS[case]().state_dict())
     module = dmodel.get_module()
     if extra.get("checkpoint"):  # every decoder layer recomputed in backward: the exchange runs again
         smp.set_activation_checkpointing(module.model.layers)
@@ -294,6 +300,7 @@ def _train(rank, world, case, ep, clip, extra=None):
         "expert_calls": len(calls),
         "routed": routed[0] if routed else None,
         "captured": captured,
+        "started_meta": started_meta,
         "tp_share": report.sharded_share if (report := dmodel.tensor_parallel_report()) else None,
     }
 
@@ -347,7 +354,7 @@ def test_parity_with_one_process(case, world, ep, clip):
         ({"config": {"shard_optimizer_state": True, "shard_gradients": True}, "case": "mixtral"}, 4, 0.5),
         ({"config": {"compile": True}, "case": "mixtral"}, 2, None),
         ({"config": {"sharded_data_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
-        ({"config": {"pipeline_parallel_degree": 2, "microbatches": 2}}, 4, 0.5),
+        ({"config": {"pipeline_parallel_degree": 2, "microbatches": 2}, "delayed": True}, 4, 0.5),
         ({"config": {"pipeline_parallel_degree": 2, "compile": True}, "case": "mixtral"}, 4, None),
         ({"config": {"tensor_parallel_degree": 2}, "case": "mixtral"}, 4, 0.5),
         pytest.param(  # 8 ranks: 35 s on 2 cores
@@ -378,7 +385,8 @@ def test_parity_composed(extra, world, clip):
     exchange runs between the compiled graphs), under sharded data parallelism (sdp=2 on 4
     ranks, clipped: the experts sharded over the replicas holding them), and over pipeline stages
     (pp=2 x ep=2 on 4 ranks: each stage's experts modules one call in its graph, running the
-    exchange; with 2 microbatches and clipped, and compiled with the auxiliary loss over the
+    exchange; with 2 microbatches, clipped and built under smp.delay_param_initialization(), and
+    compiled with the auxiliary loss over the
     global batch), and with tensor parallelism (tp=2 x ep=2 on 4 ranks, clipped: attention and
     routers cut by tp, each expert whole on its ep rank, each tp rank sending half the tokens;
     with --slow also pp=2 x tp=2 x ep=2 on 8 ranks), against one process."""
@@ -394,6 +402,7 @@ def test_parity_composed(extra, world, clip):
         assert r["expert_share"] == pytest.approx(0.5)
         calls = STEPS * r["microbatches"] * (2 if extra.get("checkpoint") else 1)
         assert r["captured"] or r["expert_calls"] == calls
+        assert r["started_meta"] == bool(extra.get("delayed"))
         for key in keys:
             assert r[key] < TOL, (key, r)
     if extra.get("config", {}).get("sharded_data_parallel_degree"):
