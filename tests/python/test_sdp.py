@@ -80,6 +80,7 @@ def _composed(rank, world_size):
     return out
 
 
+@pytest.mark.slow  # (2 min on 2 cores: runs with --slow; the suite's 40-minute bound)
 def test_sdp_composes_with_tensor_and_pipeline_parallelism():
     """sdp=2 x tp=2 and sdp=2 x pp=2 (4 ranks) on the repo's GPT, HF GPT-2 and Llama: fp32 within
     1e-5 (HF: 1e-4) of one process, with the clipped global norm over every stage and shard; bf16
@@ -364,6 +365,7 @@ def _compiled(rank, world_size):
     return runs
 
 
+@pytest.mark.slow  # (2 min on 2 cores: runs with --slow; the suite's 40-minute bound)
 def test_sdp_compiles_each_layer_inside_its_unit():
     """compile with sdp, whole and with tp=2 or pp=2 (4 ranks): each layer (its forward, or its
     body in the stage graph) is compiled inside its FSDP2 unit; parity with one process."""

@@ -1345,6 +1345,7 @@ def _sharded_and_compiled(rank, world_size):
     return results
 
 
+@pytest.mark.slow  # (2 min on 2 cores: runs with --slow; the suite's 40-minute bound)
 def test_registered_modules_with_sharded_optimizer_state_and_compile():
     """tp=2 x rdp=2 with shard_optimizer_state (momentum kept in each replica's chunk), and
     "compile": true at pp=1 and pp=2 x tp=2, each against the dense model trained in one process."""

@@ -17,6 +17,7 @@ import types
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import smp.ops  # noqa: F401  (torch.ops.smp's fake kernels)
 
@@ -85,18 +86,23 @@ def exchange(
     weighted and summed. Under tp (`ExpertSlice.token_group`) the ranks of a tp group, which hold
     the same tokens, each send their part of them (rows [r T/tp, (r+1) T/tp)) and gather the
     outputs: tp_split's backward gathers the inputs' gradients, tp_gather's takes the rank's part of
-    the output's (the same on every rank). A token count the group does not divide runs whole on
-    every rank."""
+    the output's (the same on every rank). Tokens the group does not divide are padded with rows of
+    weight 0, which add nothing to any output or gradient."""
     piece: ExpertSlice = getattr(module, _SLICE)
-    rows = hidden_states.shape[0] // piece.token_parts
-    if piece.token_group is None or hidden_states.shape[0] % piece.token_parts:
+    if piece.token_group is None:
         return _exchange(module, piece, hidden_states, top_k_index, top_k_weights, banks)
-    group = piece.token_group
+    tokens, group = hidden_states.shape[0], piece.token_group
+    pad = -tokens % piece.token_parts
+    if pad:
+        hidden_states, top_k_index, top_k_weights = (
+            F.pad(t, (0, 0, 0, pad)) for t in (hidden_states, top_k_index, top_k_weights)
+        )
+    rows = hidden_states.shape[0] // piece.token_parts
     index = top_k_index[piece.token_part * rows : (piece.token_part + 1) * rows]
     hidden = smp.ops.tp_split(hidden_states, 0, group=group)
     weights = smp.ops.tp_split(top_k_weights, 0, group=group)
     out = _exchange(module, piece, hidden, index, weights, banks)
-    return smp.ops.tp_gather(out, 0, group=group)
+    return smp.ops.tp_gather(out, 0, group=group)[:tokens]
 
 
 def _exchange(module, piece: ExpertSlice, hidden_states, top_k_index, top_k_weights, banks) -> torch.Tensor:
