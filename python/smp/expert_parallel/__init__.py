@@ -107,14 +107,7 @@ def distribute(
             kept.append(mine)
         if groups.tp_size > 1:  # each rank of a tp group sends its part of the group's tokens
             split_tokens(bank.module, groups.tp.group_name, groups.tp_size, groups.tp_rank)
-    # (under tp each rank's expert gradients hold its part of the tokens: summed over the tp ranks too)
-    holders, ranks = (
-        (groups.ep_holders, groups.ep_holders_ranks)
-        if groups.tp_size > 1
-        else (
-            groups.ep_replica,
-            groups.ep_replica_ranks,
-        )
-    )
-    replicas = holders if len(ranks) > 1 else None
+    # Summed over every rank holding the same experts: the ep replicas and, under tp, their tp
+    # ranks (each ran its part of the tokens); without tp the two groups are one.
+    replicas = groups.ep_holders if len(groups.ep_holders_ranks) > 1 else None
     return ExpertPlacement(degree, tuple(banks), tuple(kept), replicas, groups.ep, rank)

@@ -59,9 +59,11 @@ def _collapse_one(gm: fx.GraphModule, call: ExpertsCall) -> None:
     inputs: list[fx.Node] = []
     for node in region:
         for a in node.all_input_nodes:
-            if a.op == "get_attr" and id(fetch_attr(gm, a.target)) in banks:
-                bank_nodes.setdefault(banks[id(fetch_attr(gm, a.target))], a)
-            elif a not in inside and a.op != "get_attr" and a not in inputs:
+            if a.op == "get_attr":
+                name = banks.get(id(fetch_attr(gm, a.target)))
+                if name is not None:
+                    bank_nodes.setdefault(name, a)
+            elif a not in inside and a not in inputs:
                 inputs.append(a)
     hidden, index, weights = _forward_inputs(call, inputs, outputs)
     missing = [name for name in call.names if name not in bank_nodes]
