@@ -4,8 +4,9 @@ part of every sequence (the load-balanced cut: chunks r and 2C-1-r of 2C).
 The sequence is found from the graph: its length is the one the attentions run over
 (scaled_dot_product_attention's queries, or the [..., S, S] scores an eager softmax(QK^T)V
 normalizes); an input holds it on its first dim after the batch dim of that length. From there
-driver.py walks the graph: activations run cut, attentions become smp.cp_attention or Ulysses'
-all-to-alls (rules/attention.py), position tables, masks and shifted labels built whole from the
+driver.py walks the graph: activations run cut, attentions (eager ones read as
+scaled_dot_product_attention first: eager.py) become smp.cp_attention or Ulysses' all-to-alls
+(rules/attention.py), position tables, masks and shifted labels built whole from the
 inputs are read as this rank's positions (and computed only for them where their ops allow),
 means over tokens divide by the whole sequence's count, and the model's outputs leave whole.
 Bad input is a ContextParallelError naming the fix.
@@ -20,6 +21,7 @@ from torch import fx
 
 from . import rules  # noqa: F401  (importing registers every rule)
 from .driver import Rewrite
+from .eager import eager_to_sdpa
 from .errors import ContextParallelError, where
 from .layout import Cut, Sequence_
 
@@ -46,6 +48,7 @@ def context_parallel(
     if comm not in COMM_TYPES:
         raise ValueError(f"smp context parallelism: cp_comm_type must be one of {COMM_TYPES}, got {comm!r}")
     size, rank = group.size(), group.rank()
+    eager_to_sdpa(gm)  # written-out attentions run as any attention, by `comm`
     length = sequence_length(gm)
     if length % (2 * size):
         multiple = 2 * size

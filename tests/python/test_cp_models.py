@@ -63,7 +63,9 @@ COMMS = ("p2p", "all_gather", "a2a")
 # but 4 tokens a row, rows 1 and 3 padded): the masks that only the pass's cut of the mask handles.
 MASKED_MODELS = ("hf_mistral", "hf_bert_padded")
 MASK_MATRIX = {
-    2: [(case, [{"context_parallel_degree": 2, "cp_comm_type": c} for c in COMMS]) for case in MASKED_MODELS],
+    2: [(case, [{"context_parallel_degree": 2, "cp_comm_type": c} for c in COMMS]) for case in MASKED_MODELS]
+    # the test GPT's attention written out as nanoGPT's (masked_fill with -inf): run as the ring
+    + [("gpt", [{"context_parallel_degree": 2}])],
     4: [
         ("hf_mistral", [{"context_parallel_degree": 4, "cp_comm_type": "p2p"}]),
         ("hf_bert_padded", [{"context_parallel_degree": 4, "cp_comm_type": "a2a"}]),

@@ -15,9 +15,17 @@ TOL = 1e-5
 
 
 def gpt2_eager():
-    """GPT-2 with HF's eager attention: softmax(QK^T)V written out (the keys gathered)."""
+    """GPT-2 with HF's eager attention: softmax(QK^T)V written out, read as the attention it is."""
     model = hf_cases.gpt2(2)
     model.config._attn_implementation = "eager"
+    return model
+
+
+def gpt2_eager_weights():
+    """The same, returning the attention weights (output_attentions): the scores stay written out
+    and the keys and values are gathered."""
+    model = gpt2_eager()
+    model.config.output_attentions = True
     return model
 
 
@@ -26,6 +34,7 @@ BUILD = {
     "llama": lambda: hf_cases.llama(2),
     "mistral": hf_cases.mistral,  # sliding window 4 of the 16 positions
     "gpt2_eager": gpt2_eager,
+    "gpt2_eager_weights": gpt2_eager_weights,
 }
 
 
@@ -50,13 +59,15 @@ def check_pass(rank, world, case, comm):
     cut = {"input_ids": 1, "labels": 1} | ({"attention_mask": 1} if case == "bert" else {})
     assert result.seq_len == hf_cases.SEQ and result.inputs == cut, result
     layers = model.config.num_hidden_layers
-    # eager: QK^T and PV each read one gathered operand (K, V), so two lines per layer
-    form, per_layer = ("an eager attention", 2) if case == "gpt2_eager" else (comm, 1)
+    # written out: QK^T and PV each read one gathered operand (K, V), so two lines per layer
+    written = case == "gpt2_eager_weights"
+    form, per_layer = ("an eager attention", 2) if written else (comm, 1)
     assert len(result.attention) == per_layer * layers, result.attention
     assert all(form in a for a in result.attention), result.attention
     # Only the logits the model returns are gathered whole; every activation before them stays cut.
-    # (and, for eager attention, each layer's K and V: the columns of the scores)
-    gathered = 1 + (2 * model.config.num_hidden_layers if case == "gpt2_eager" else 0)
+    # (and, for attention written out, each layer's K and V, the columns of the scores, and the
+    # weights it returns)
+    gathered = 1 + (3 * layers if written else 0)
     assert len(result.gathered) == gathered and all("gathered whole" in g for g in result.gathered), result
     attention = [
         n
@@ -67,7 +78,7 @@ def check_pass(rank, world, case, comm):
     local = [n for n in captured.graph_module.graph.nodes if "local" in n.args]
     assert len(local) == (layers if comm == "a2a" else 0), local
     assert all(n.args[0].meta["val"].shape[2] == hf_cases.SEQ for n in local)
-    if case == "gpt2_eager":  # the scores: this rank's rows against every column
+    if written:  # the scores: this rank's rows against every column
         attention = [
             n
             for n in captured.graph_module.graph.nodes
@@ -83,6 +94,9 @@ def check_pass(rank, world, case, comm):
     errors = [(loss - expected.loss).abs().item(), (logits - expected.logits).abs().max().item()]
     torch.testing.assert_close(loss, expected.loss, atol=TOL, rtol=TOL)
     torch.testing.assert_close(logits, expected.logits, atol=TOL, rtol=TOL)
+    if written:
+        weights = out[2 : 2 + layers]
+        torch.testing.assert_close(list(weights), list(expected.attentions), atol=TOL, rtol=TOL)
     return errors, result.gathered
 
 
@@ -99,12 +113,25 @@ def test_cp4_pass_matches_one_process(case, comm):
     _parity(4, case, comm)
 
 
+EAGER = [("gpt2_eager", c) for c in ("p2p", "all_gather", "a2a")] + [("gpt2_eager_weights", "p2p")]
+
+
+def check_eager(rank, world):
+    return [check_pass(rank, world, case, comm) for case, comm in EAGER]
+
+
 def test_cp2_pass_on_eager_attention():
-    _parity(2, "gpt2_eager", "p2p")
+    """Eager attention by each comm type, and written out where its weights are returned: one launch."""
+    per_rank = run_ranks(check_eager, 2, timeout=300)
+    for (case, comm), results in zip(EAGER, zip(*per_rank, strict=True), strict=True):
+        _report(2, case, comm, results)
 
 
 def _parity(world, case, comm):
-    results = run_ranks(check_pass, world, case, comm, timeout=300)
+    _report(world, case, comm, run_ranks(check_pass, world, case, comm, timeout=300))
+
+
+def _report(world, case, comm, results):
     for errors, gathered in results:
         print(
             f"cp={world} pass {case} {comm}: loss error {errors[0]:.2e}, logits {errors[1]:.2e}; {gathered}"
@@ -164,3 +191,59 @@ def check_errors(rank, world):
 
 def test_cp_pass_errors_name_the_fix():
     assert run_ranks(check_errors, 2, timeout=300) == [True, True]
+
+
+class _Written(torch.nn.Module):
+    """softmax(Q K^T * scale + mask) V written out in a few ways; only the exact forms (`plain`,
+    `divided`, `masked_fill`) are the attention scaled_dot_product_attention computes."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2)
+        if self.form == "divided":
+            scores = scores / 2.0 / 1.5 + mask
+        elif self.form == "mask_scaled":  # the mask multiplied by the scale too
+            scores = (scores + mask) * 0.3
+        elif self.form.startswith("masked_fill"):  # nanoGPT's: a bool mask, -inf where it is off
+            fill = float("-inf") if self.form == "masked_fill" else -1e4
+            scores = (scores * 0.3).masked_fill(mask < 0, fill)
+        else:
+            scores = scores * 0.3 + mask
+        weights = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        out = weights @ v
+        return (out, weights) if self.form == "weights" else out
+
+
+@pytest.mark.parametrize(
+    "form, replaced",
+    [
+        ("plain", True),
+        ("divided", True),
+        ("masked_fill", True),
+        ("mask_scaled", False),
+        ("masked_fill_finite", False),  # (a row with nothing left would attend uniformly)
+        ("weights", False),
+    ],
+)
+def test_eager_attention_read_as_sdpa_only_in_its_exact_form(form, replaced):
+    import smp.passes as passes
+    from smp.passes.context_parallel.eager import eager_to_sdpa
+
+    torch.manual_seed(0)
+    model, x = _Written(form), torch.randn(2, 6, 16)
+    mask = torch.zeros(2, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -1e9)
+    expected = model(x, mask)
+    captured = passes.capture(model, (x, mask))
+    gm = captured.graph_module
+    assert bool(eager_to_sdpa(gm)) == replaced
+    targets = [n.target for n in gm.graph.nodes]
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    assert (sdpa in targets) == replaced and (torch.ops.aten.softmax.int in targets) != replaced
+    out = gm.forward(*captured.flatten_inputs((x, mask), {}))
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
