@@ -23,10 +23,18 @@ LAYOUTS = {
 }
 
 
-def _matrix(rank, world_size):
-    runs = [
-        (name, s, (cfg, {"checkpoint": {"blocks": s}})) for name, cfg in LAYOUTS.items() for s in STRATEGIES
-    ]
+# Every strategy at pp=2 (the memory comparison), one at each other layout, each strategy at
+# another layout too; the whole cross-product with --slow.
+PAIRS = [("pp2", s) for s in STRATEGIES] + [
+    ("pp2_simple", "contiguous"),
+    ("pp2_tp2", "each"),
+    ("tp2_rdp2_sharded", "group_2"),
+]
+
+
+def _matrix(rank, world_size, every):
+    pairs = [(n, s) for n in LAYOUTS for s in STRATEGIES] if every else PAIRS
+    runs = [(name, s, (LAYOUTS[name], {"checkpoint": {"blocks": s}})) for name, s in pairs]
     # Memory: the same pp=2 layout without checkpointing, every run measuring saved activations.
     runs.append(("pp2", None, (LAYOUTS["pp2"], {})))
     configs = [(cfg, opts | {"track_activations": True}) for _, _, (cfg, opts) in runs]
@@ -35,10 +43,12 @@ def _matrix(rank, world_size):
     return [(name, s, {k: r[k] for k in keep}) for (name, s, _), r in zip(runs, results, strict=True)]
 
 
-def test_parity_and_memory_every_strategy_and_layout():
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_parity_and_memory_every_strategy_and_layout(every):
     """Each strategy at pp=2 (both schedules), pp=2 x tp=2 and tp=2 x rdp=2 with sharded optimizer
-    state trains as one process does; checkpointing every layer keeps <= 1/3 of the saved bytes."""
-    per_rank = run_ranks(_matrix, 4, timeout=600)
+    state (every pair with --slow) trains as one process does; checkpointing every layer keeps
+    <= 1/3 of the saved bytes."""
+    per_rank = run_ranks(_matrix, 4, every, timeout=600)
     for results in per_rank:
         for layout, strategy, r in results:
             assert r["loss_err"] < 1e-5, (layout, strategy, r)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 from fault_trials import PHASES, STEPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -114,6 +115,7 @@ def test_kill_a_rank():
     _run_kill_trials(4, seed=1)
 
 
+@pytest.mark.slow  # 20 trials (87 s); test_kill_a_rank's 4 run by default
 def test_kill_a_rank_many():
     _run_kill_trials(20, seed=2)
 

@@ -98,7 +98,7 @@ def test_main_job_mixtral_ep(tmp_path):
 
 def test_main_job_sdp(tmp_path):
     """The main job with --sdp 2 over two pipeline stages (4 processes): it trains (sharded data
-    parallelism clipping at --clip), checkpoints and resumes."""
+    parallelism clipping at --clip) and checkpoints."""
     out_dir, ckpt = tmp_path / "out", tmp_path / "ckpt"
     common = (
         "--pp",
@@ -116,9 +116,8 @@ def test_main_job_sdp(tmp_path):
     assert "pp=2 tp=1 rdp=2 sdp=2" in out and "done: 8 steps" in out, out
     losses = [float(r.split(",")[1]) for r in (out_dir / "log.csv").read_text().splitlines()[1:]]
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0, losses
-    out = run_torchrun("examples/train_gpt2.py", 4, "--steps", "9", "--log-every", "1", *common, timeout=300)
-    last = (out_dir / "log.csv").read_text().splitlines()[-1].split(",")
-    assert last[0] == "9" and float(last[1]) < losses[0] - 1.0, last
+    # (resumed by the main job in test_main_job_smoke; sdp checkpoints across layouts in test_sdp.py)
+    assert (ckpt / "newest").read_text() == "step_8", sorted(p.name for p in ckpt.iterdir())
 
 
 def test_main_job_cp_matches_one_process(tmp_path):

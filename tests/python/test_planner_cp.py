@@ -150,3 +150,21 @@ def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_never_proposed():
             **LONG_JOB,
             layout={"tensor_parallel_degree": 4, "context_parallel_degree": 4, "cp_comm_type": "a2a"},
         )
+
+
+def test_an_eager_attention_runs_by_the_comm_type_unless_its_weights_drop_out():
+    """The pass reads HF's eager attention as sdpa (passes/context_parallel/eager.py), so its
+    exchange is the comm type's; with dropout on the attention's weights the ring gathers."""
+    seq = 16384
+    eager = model_facts.from_hf_config(LLAMA_7B | {"_attn_implementation": "eager"}, seq)
+    dropping = model_facts.from_hf_config(LLAMA_7B | {"attention_dropout": 0.1}, seq)
+    assert eager.eager_attention and not eager.attention_dropout and dropping.attention_dropout
+
+    def traffic(facts, comm):
+        return step_time.estimate(facts, Layout(bf16=True, cp=4, cp_comm=comm), _workload(seq, 4))
+
+    ring, gathered = traffic(eager, "p2p"), traffic(eager, "all_gather")
+    assert ring.cp_comm < 0.5 * gathered.cp_comm  # the ring hides behind attention
+    assert traffic(dropping, "p2p").cp_comm == pytest.approx(traffic(dropping, "all_gather").cp_comm)
+    ulysses = traffic(dropping, "a2a")
+    assert ulysses.cp_traffic == pytest.approx(traffic(_facts(seq), "a2a").cp_traffic)

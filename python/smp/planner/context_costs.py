@@ -12,7 +12,8 @@ nodes (the network), as the TP, sdp and data-parallel terms read it. Per layer, 
   exposed: max(0, traffic - attention), forward and backward each.
 - "all_gather": K and V gathered inside the op (the ring's bytes), not overlapped; its backward
   reduce-scatters their gradients (the same bytes again) and gathers them once more: 2x.
-  An eager attention (softmax(QK^T)V written out) is run this way whatever the comm type says.
+  An attention with dropout on its weights is run this way under "p2p" too (the ring draws no
+  dropout); an eager one (softmax(QK^T)V written out) is read as sdpa, so runs as sdpa does.
 - "a2a" (Ulysses): four all-to-alls (q, k and v to heads, the output back to the sequence),
   each moving (C - 1) / C of the rank's tensor; the backward the same four, reversed. Key/value
   heads that do not divide by C are repeated until they do. Not overlapped.
@@ -41,8 +42,9 @@ def spans_nodes(layout: Layout, workload: Workload) -> bool:
 
 
 def comm_of(facts: ModelFacts, layout: Layout) -> str:
-    """The exchange smp runs: an eager attention gathers its keys and values whatever is asked."""
-    return "all_gather" if facts.eager_attention else layout.cp_comm
+    """The exchange smp runs: an attention with dropout on its weights gathers its keys and values
+    under "p2p" (the ring draws no dropout: passes/context_parallel/rules/attention.py)."""
+    return "all_gather" if facts.attention_dropout and layout.cp_comm == "p2p" else layout.cp_comm
 
 
 def layer_traffic(

@@ -94,6 +94,9 @@ class ModelFacts:
     matmuls: tuple[Matmul, ...] = ()
     head_dim: int = 0
     eager_attention: bool = False
+    # Dropout on the attention's weights: under cp "p2p" gathers keys and values instead (the
+    # ring draws no dropout).
+    attention_dropout: bool = False
     layer_ops: int = 0  # ATen operations one layer's forward dispatches (each a kernel)
     # Bytes a layer's forward elementwise operations (neither matmuls nor views) read and write per
     # sample, in the module's dtype (4-byte floats), where measured on a module (0: estimated from

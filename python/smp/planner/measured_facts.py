@@ -86,6 +86,8 @@ def from_module(model: nn.Module | Callable[[], nn.Module], seq_len: int) -> Mod
         matmuls=matmuls,
         head_dim=hidden // heads,
         eager_attention=run.scores_saved,
+        # (not told apart on a module: a written-out attention is assumed to gather, as it may)
+        attention_dropout=run.scores_saved,
         layer_ops=run.layer_ops // n,
         layer_traffic=run.layer_traffic / n,
         layer_transcendental=run.transcendental["layer"][0] / n,

@@ -55,6 +55,7 @@ _DROPOUT_KEYS = (
     "attention_dropout",
     "dropout",
 )
+_ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
 
 
 def load_hf_config(path: str) -> dict[str, Any]:
@@ -100,6 +101,7 @@ class _Shape:
     attention_bias: bool
     mlp_bias: bool
     dropout: bool
+    attention_dropout: bool
     eager_attention: bool
 
 
@@ -144,6 +146,7 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
         attention_bias=bias,
         mlp_bias=bool(config.get("mlp_bias", bias and layer_norm)),
         dropout=any(float(config.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
+        attention_dropout=any(float(config.get(k) or 0) > 0 for k in _ATTENTION_DROPOUT_KEYS),
         eager_attention=attn_impl == "eager",
     )
 
@@ -187,6 +190,7 @@ def from_hf_config(config: Mapping[str, Any], seq_len: int) -> ModelFacts:
         matmuls=_matmuls(s),
         head_dim=hd,
         eager_attention=s.eager_attention,
+        attention_dropout=s.attention_dropout,
         layer_ops=LAYER_OPS + (DROPOUT_OPS if s.dropout else 0),
     )
     moe = moe_facts.read(config, s.layers, s.intermediate)
