@@ -59,6 +59,32 @@ def test_cp_halves_the_activations_and_keeps_the_parameters():
     )
 
 
+def _logits_gather(seq: int, c: int) -> float:
+    """Seconds to all-gather one sequence's bf16 logits over c ranks at the H100's NVLink."""
+    hw = hardware.load("h100-sxm")
+    nbytes = seq * LLAMA_7B["vocab_size"] * 2
+    return (c - 1) / c * nbytes / (hw.intra_node_gbps * 1e9 * hw.link_efficiency)
+
+
+def test_the_logits_leave_whole_over_tp_and_cp():
+    """The last stage gathers the logits for the script: over the tp group (vocabulary shards) and
+    the cp group (sequence cuts), each at the link: a 4x vocabulary adds 3x its bytes' time (cp's
+    with the copy putting the load-balanced chunks back in order; tp's copy is memory time)."""
+    seq = 8192
+    for layout, part in ((Layout(bf16=True, tp=2), "tp_comm"), (Layout(bf16=True, cp=2), "cp_comm")):
+        small, big = (
+            step_time.estimate(
+                model_facts.from_hf_config(LLAMA_7B | {"vocab_size": v}, seq), layout, _workload(seq, 2)
+            ).parts()[part]
+            for v in (32000, 128000)
+        )
+        gather = 3 * _logits_gather(seq, 2)
+        if part == "tp_comm":
+            assert big - small == pytest.approx(gather, rel=0.1), (layout, small, big)
+        else:
+            assert gather < big - small < 2 * gather, (layout, small, big)
+
+
 def _step(layout: Layout, seq: int, gpus: int, per_node: int = 8):
     return step_time.estimate(_facts(seq), layout, _workload(seq, gpus, per_node=per_node))
 
@@ -84,7 +110,10 @@ def test_a2a_and_the_ring_move_what_their_traffic_says(c):
     ring = _step(Layout(bf16=True, cp=c), seq, c)
     ulysses = _step(Layout(bf16=True, cp=c, cp_comm="a2a"), seq, c)
     gathered = _step(Layout(bf16=True, cp=c, cp_comm="all_gather"), seq, c)
-    assert ulysses.cp_traffic / ring.cp_traffic == pytest.approx(4 / (3 * c), rel=0.05)  # latencies aside
+    # (besides each the same gather of the logits' cuts: they leave the model whole)
+    logits = _logits_gather(seq, c)
+    assert 0 < logits < 0.2 * ring.cp_traffic
+    assert ulysses.cp_traffic - logits == pytest.approx(4 / (3 * c) * (ring.cp_traffic - logits), rel=0.05)
     assert gathered.cp_traffic == pytest.approx(ring.cp_traffic)
     # The ring hides behind attention (exposed = what outlasts it); all_gather and a2a do not.
     assert gathered.cp_comm == pytest.approx(gathered.cp_traffic)

@@ -113,11 +113,13 @@ def test_checkpointing_runs_the_layers_forward_once_more():
 def test_tensor_parallel_collectives_by_hand():
     """Per layer two all-reduces forward, two backward (two more recomputed), plus the embedding's
     output and the head's input gradient: [T, h] fp32 all-reduced over 2 at 100 GB/s, no latency:
-    2 x (1/2) x bytes / 100 GB/s each."""
+    2 x (1/2) x bytes / 100 GB/s each; and the logits, leaving the model whole: [T, V] fp32
+    all-gathered, (1/2) x bytes / 100 GB/s."""
     one = BATCH * SEQ * H * 4 / 100e9
-    assert _step(Layout(tp=2), gpus=2).tp_comm == pytest.approx((4 * LAYERS + 2) * one)
+    logits = 0.5 * BATCH * SEQ * TINY["vocab_size"] * 4 / 100e9
+    assert _step(Layout(tp=2), gpus=2).tp_comm == pytest.approx((4 * LAYERS + 2) * one + logits)
     checkpointed = _step(Layout(tp=2, checkpointing="each"), gpus=2)
-    assert checkpointed.tp_comm == pytest.approx((6 * LAYERS + 2) * one)
+    assert checkpointed.tp_comm == pytest.approx((6 * LAYERS + 2) * one + logits)
 
 
 def test_bubble_from_the_timeline_and_megatrons_interleaving():

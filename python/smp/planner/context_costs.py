@@ -83,15 +83,31 @@ def layer_exposed(
     return forward, backward
 
 
+def logits_seconds(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int) -> float:
+    """The last stage's gather of the logits' sequence cuts (they leave the model whole), not
+    overlapped, and the copy putting the load-balanced chunks back in order."""
+    nbytes = mb * facts.logits_elements / layout.tp * compute_bytes(layout)
+    gather = kernels.all_gather(hw, nbytes, group(layout), workload.gpus_per_node, workload.gpus)
+    return gather + kernels.memory_pass(hw, 2 * nbytes, 1)
+
+
 def microbatch_seconds(
-    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int, rank: int
+    facts: ModelFacts,
+    layout: Layout,
+    workload: Workload,
+    hw: Hardware,
+    mb: int,
+    rank: int,
+    gathers_logits: bool = True,
 ) -> tuple[float, float]:
-    """(traffic, exposed) seconds of one microbatch's cp exchanges on pipeline rank `rank`."""
+    """(traffic, exposed) seconds of one microbatch's cp exchanges on pipeline rank `rank`: each
+    layer's around attention, and on the last stage the logits' gather."""
     if layout.cp == 1:
         return 0.0, 0.0
-    layers = held(layout, rank, facts.layers)[0]
+    layers, _, last = held(layout, rank, facts.layers)
     forward, backward = layer_traffic(facts, layout, workload, hw, mb)
     if layout.checkpoint_group:
         backward += forward
     exposed = sum(layer_exposed(facts, layout, workload, hw, mb))
-    return layers * (forward + backward), layers * exposed
+    logits = logits_seconds(facts, layout, workload, hw, mb) if last and gathers_logits else 0.0
+    return layers * (forward + backward) + logits, layers * exposed + logits

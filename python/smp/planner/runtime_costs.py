@@ -34,6 +34,9 @@ class RuntimeCosts:
     # Megatron's interleaved schedule: model chunks per rank (its bubble is (pp - 1) / (v m)); 0
     # for smp, whose bubble is read off its own schedule's timeline.
     virtual_stages: int = 0
+    # The logits leave the model whole (gathered over tp and cp for the script, as smp returns a
+    # model's outputs); Megatron's loss reads its vocabulary-parallel logits where they are.
+    gathers_logits: bool = True
 
     def accumulate(self, half: bool) -> float:
         return self.accumulate_half if half else self.accumulate_fp32
@@ -71,6 +74,7 @@ _MEGATRON = dict(
     optimizer_half=52,
     optimizer_fp32=28,
     scatter_gather=True,
+    gathers_logits=False,
 )
 # --DDP-impl local: the fp16 gradient buffer all-reduced once the backward is done.
 MEGATRON_LOCAL_DDP = RuntimeCosts(name="megatron-lm (local DDP)", overlapped_average=False, **_MEGATRON)

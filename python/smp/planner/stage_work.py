@@ -90,7 +90,13 @@ def dtype_of(layout: Layout) -> str:
 
 
 def rank_work(
-    facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, rank: int, mb: int
+    facts: ModelFacts,
+    layout: Layout,
+    workload: Workload,
+    hw: Hardware,
+    rank: int,
+    mb: int,
+    gathers_logits: bool = True,
 ) -> RankWork:
     layers, first, last = held(layout, rank, facts.layers)
     fwd_layer, bwd_layer = _layer(facts, layout, workload, hw, mb)
@@ -110,10 +116,24 @@ def rank_work(
         # The loss's exp and log over the logits (vocabulary-parallel under TP), forward and backward.
         loss = kernels.transcendental(hw, facts.head_transcendental * mb / (layout.tp * layout.cp))
         head_f = head_f + Pass(memory=loss)
+        if gathers_logits:
+            head_f = head_f + _logits_out(facts, layout, workload, hw, mb)
         forward = forward + head_f + _saved_traffic(facts.saved_after, layout, hw, mb)
         backward = backward + head_b + Pass(tp_comm=tp_one)
         backward = backward + _saved_traffic(facts.saved_after, layout, hw, mb, backward=True)
     return RankWork(rank, forward, backward)
+
+
+def _logits_out(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int) -> Pass:
+    """The logits leave the model whole (the script reads them): under TP the vocabulary shards
+    are gathered over the tp group and laid out whole (a copy: [tp, tokens, V / tp] to
+    [tokens, V]). cp's gather of the sequence is context_costs.logits_seconds'."""
+    if layout.tp == 1:
+        return Pass()
+    nbytes = mb * facts.logits_elements / layout.cp * compute_bytes(layout)
+    group = kernels.Group(layout.tp, 1)
+    gather = kernels.all_gather(hw, nbytes, group, workload.gpus_per_node, workload.gpus)
+    return Pass(memory=kernels.memory_pass(hw, 2 * nbytes, 1), tp_comm=gather)
 
 
 def rank_tokens(layout: Layout, workload: Workload, mb: int) -> int:

@@ -133,14 +133,16 @@ def hardware_of(workload: Workload) -> Hardware:
 def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: RuntimeCosts = SMP) -> StepTime:
     hw = hardware_of(workload)
     mb = microbatch_size(layout, workload)
-    works = [rank_work(facts, layout, workload, hw, r, mb) for r in range(layout.pp)]
+    works = [rank_work(facts, layout, workload, hw, r, mb, runtime.gathers_logits) for r in range(layout.pp)]
     busiest = max(works, key=lambda w: w.total + _accumulate(facts, layout, hw, runtime, w.rank))
     accumulate = _accumulate(facts, layout, hw, runtime, busiest.rank)
     m = layout.microbatches
     message = _pipeline_message(facts, layout, workload, hw, runtime, mb)
     sdp_traffic = sdp_seconds(facts, layout, workload)
     sdp_exposed = _exposed_sdp(sdp_traffic, busiest, facts, layout, hw)
-    cp_traffic, cp_exposed = context_costs.microbatch_seconds(facts, layout, workload, hw, mb, busiest.rank)
+    cp_traffic, cp_exposed = context_costs.microbatch_seconds(
+        facts, layout, workload, hw, mb, busiest.rank, runtime.gathers_logits
+    )
     ep_seconds = expert_costs.microbatch_seconds(facts, layout, workload, hw, mb, busiest.rank)
     per_microbatch = busiest.total + accumulate + message + sdp_exposed + cp_exposed + ep_seconds
     bubble = bubble_fraction(layout, runtime) * m * per_microbatch
