@@ -27,13 +27,12 @@ from . import registry
 from .errors import ContextParallelError, where
 from .layout import Cut, Sequence_
 from .registry import Layout, Plan
+from .rules.common import CHECKS
 
 aten = torch.ops.aten
 
 # Ops that gather nothing: the scores of an attention, gathered, would be the whole sequence's.
 _ATTENTION = (aten.softmax.int, aten._softmax.default, aten.scaled_dot_product_attention.default)
-# Ops that only check metadata: dropped (they would keep whole versions alive).
-_CHECKS = (aten._assert_tensor_metadata.default,)
 
 
 class Rewrite:
@@ -73,8 +72,8 @@ class Rewrite:
                 self._copy_whole(node)
             elif node.op == "output":
                 self.graph.output(fx.node.map_arg(node.args[0], self.whole))
-            elif node.op == "call_function" and node.target in _CHECKS:
-                continue
+            elif node.op == "call_function" and node.target in CHECKS:
+                continue  # (dropped: they would keep whole versions alive)
             else:
                 self._call(node)
         self.graph.eliminate_dead_code()

@@ -19,17 +19,29 @@ fill other than -inf) keeps the written-out form and its gather.
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 from torch import fx
 
-from .rules.common import val
+from .rules.common import CHECKS, val
 
 aten = torch.ops.aten
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _CASTS = (aten.to.dtype, aten._to_copy.default)
-_CHECKS = (aten._assert_tensor_metadata.default,)  # side checks of a value: not users
 _SCALES = {aten.mul.Tensor: operator.mul, aten.div.Tensor: operator.truediv}
+
+
+class _Attention(NamedTuple):
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    negate: bool  # the mask is masked_fill's (True: not attended), sdpa's is its negation
+    scale: float
+    dropout_p: float
+    chain: list[fx.Node]  # the nodes replaced, from Q K^T to the softmax's last cast or dropout
+    out: fx.Node  # the product with the values
 
 
 def eager_to_sdpa(gm: fx.GraphModule) -> list[str]:
@@ -40,14 +52,14 @@ def eager_to_sdpa(gm: fx.GraphModule) -> list[str]:
         if node.op == "call_function" and node.target in _SOFTMAX:
             found = _match(node)
             if found is not None:
-                replaced.append(_replace(gm.graph, *found))
+                replaced.append(_replace(gm.graph, found))
     if replaced:
         gm.recompile()
     return replaced
 
 
 def _users(node: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if u.target not in _CHECKS]
+    return [u for u in node.users if u.target not in CHECKS]
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -55,9 +67,8 @@ def _only_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def _match(softmax: fx.Node):
-    """(q, k, v, mask, scale, dropout_p, nodes replaced, output) of the attention around
-    `softmax`, or None where it is not exactly the eager form."""
+def _match(softmax: fx.Node) -> _Attention | None:
+    """The attention around `softmax`, or None where it is not exactly the eager form."""
     scores = val(softmax.args[0])
     if scores is None or scores.dim() != 4 or softmax.args[1] not in (-1, 3):
         return None
@@ -77,7 +88,7 @@ def _match(softmax: fx.Node):
         return None
     out, v = node, node.args[1]
     # Up: casts, the mask, casts, the scale, then the product of the queries with the keys.
-    node, mask, scale = softmax.args[0], None, 1.0
+    node, mask, negate, scale = softmax.args[0], None, False, 1.0
     while isinstance(node, fx.Node) and node.target is not aten.matmul.default:
         if len(_users(node)) != 1:  # each step read by the next alone
             return None
@@ -89,8 +100,8 @@ def _match(softmax: fx.Node):
             if m is None or m.dtype != val(out).dtype or not 2 <= m.dim() <= 4:
                 return None
         elif node.target is aten.masked_fill.Scalar and mask is None and scale == 1.0:
-            mask = _kept(node)
-            if mask is None:
+            mask, negate = node.args[1], True
+            if not _fills_minus_inf(node):
                 return None
         elif node.target in _SCALES and isinstance(node.args[1], (int, float)) and not node.kwargs:
             scale = _SCALES[node.target](scale, float(node.args[1]))
@@ -104,18 +115,16 @@ def _match(softmax: fx.Node):
     q, k = node.args[0], _untransposed(node.args[1])
     if k is None or not _shapes_agree(q, k, v, out):
         return None
-    return q, k, v, mask, scale, dropout_p, chain, out
+    return _Attention(q, k, v, mask, negate, scale, dropout_p, chain, out)
 
 
-def _kept(fill: fx.Node):
-    """sdpa's bool mask (True: attended) of scores.masked_fill(m, -inf): not m, as (m's node, True)
-    to negate; -inf exactly (a finite fill attends uniformly where a row has nothing left)."""
-    m = fill.args[1]
-    if len(fill.args) != 3 or fill.args[2] != float("-inf") or val(m) is None or val(m).dtype != torch.bool:
-        return None
-    if not 2 <= val(m).dim() <= 4:
-        return None
-    return (m, True)
+def _fills_minus_inf(fill: fx.Node) -> bool:
+    """scores.masked_fill(m, -inf) with a bool m: -inf exactly (a finite fill attends uniformly
+    where a row has nothing left)."""
+    m = val(fill.args[1])
+    if len(fill.args) != 3 or fill.args[2] != float("-inf") or m is None or m.dtype != torch.bool:
+        return False
+    return 2 <= m.dim() <= 4
 
 
 def _untransposed(kt) -> fx.Node | None:
@@ -142,16 +151,16 @@ def _shapes_agree(q, k, v, out) -> bool:
     )
 
 
-def _replace(graph: fx.Graph, q, k, v, mask, scale, dropout_p, chain, out) -> str:
+def _replace(graph: fx.Graph, a: _Attention) -> str:
+    out, chain, mask = a.out, a.chain, a.mask
     with graph.inserting_before(out):
-        if isinstance(mask, tuple):  # a masked_fill's: the positions attended are the others
-            m = mask[0]
-            mask = graph.call_function(aten.logical_not.default, (m,))
-            mask.meta = {**m.meta, "val": torch.logical_not(val(m))}
+        if a.negate:  # a masked_fill's: the positions attended are the others
+            mask = graph.call_function(aten.logical_not.default, (a.mask,))
+            mask.meta = {**a.mask.meta, "val": torch.logical_not(val(a.mask))}
         sdpa = graph.call_function(
             aten.scaled_dot_product_attention.default,
-            (q, k, v, mask),
-            {"dropout_p": dropout_p, "scale": scale},
+            (a.q, a.k, a.v, mask),
+            {"dropout_p": a.dropout_p, "scale": a.scale},
         )
     sdpa.meta = dict(out.meta)
     out.replace_all_uses_with(sdpa)

@@ -7,6 +7,9 @@ from typing import Any
 import torch
 from torch import fx
 
+# Ops that only check a value's metadata: neither users of it nor work to rewrite.
+CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
 
 def val(node: Any) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
