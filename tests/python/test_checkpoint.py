@@ -103,11 +103,11 @@ def _resume_on(smp, config, folder, partial, expected):
     return state_error, train_error, moved
 
 
-def _save_and_resume(rank, world_size, folder, slow):
+def _save_and_resume(rank, world_size, folder, both=True):
     """For each transition: 4 uninterrupted steps on the saving layout; 2 steps, saved full and
     partial (one of them in the background); each resumed on each target layout for the last 2,
-    from both checkpoints with --slow, else from one, partial and full in turn (each target layout
-    and each kind of checkpoint still resumes: half the resumes, 50 s of the suite)."""
+    from both checkpoints (`both`), else from one, partial and full in turn (each target layout
+    and each kind of checkpoint still resumes, in half the resumes)."""
     import smp
 
     results = []
@@ -140,7 +140,7 @@ def _save_and_resume(rank, world_size, folder, slow):
         if rank == 0:
             torch.save(expected, f"{folder}/{i}/expected.pt")
         for j, target in enumerate(targets):
-            for partial in (True, False) if slow else (j % 2 == i % 2,):
+            for partial in (True, False) if both else (j % 2 == i % 2,):
                 results.append(
                     (i, str(target), partial, *_resume_on(smp, target, f"{folder}/{i}", partial, expected))
                 )
