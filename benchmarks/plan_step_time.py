@@ -6,13 +6,14 @@ Two processes (one thread each, as the training runs use them), in rounds; in ea
 layout:
 1. both ranks at once measure the CPU processes as a hardware description (smp.planner.hardware):
    the matmul rate in fp32 and bf16 (a linear layer's forward, input- and weight-gradient products
-   at two shapes), the bytes per second of a chain of elementwise products of [512, 1024] tensors
-   whose outputs stay alive (as a forward's activations do), what an element of tanh and exp costs
-   beyond that traffic (chains alike), the time a dispatched operation
-   costs (a chain of tiny multiplications, forward and backward, per the planner's count of
-   1 + 1.6 operations), and the all-reduce between the two processes, each call after some
-   compute as a step makes them (its time at 4 KiB is the latency, the added time to 4 MiB the
-   bandwidth). Each figure is a rate over a loop of at least 0.1 s;
+   at two shapes), a fused causal attention's rate (sdpa forward and backward, at two shapes), the
+   bytes per second of a chain of elementwise products of [512, 1024] tensors whose outputs stay
+   alive (as a forward's activations do), what an element of tanh and exp costs beyond that
+   traffic (chains alike), the time a dispatched operation costs (a chain of tiny
+   multiplications, forward and backward, per the planner's count of 1 + 1.6 operations), and the
+   all-reduce between the two processes, each call after some compute as a step makes them (its
+   time at 4 KiB is the latency, the added time to 4 MiB the bandwidth). Each figure is a rate
+   over a loop of at least 0.1 s;
 2. they train a small Hugging Face GPT-2 with smp in the layout, timing each step after two
    warm-up steps (the slower rank's time of each step; the median over the round's steps).
 The planner then predicts the layout's step time on the description measured just before it (the
@@ -80,6 +81,7 @@ def facts() -> dict:
         "fp32": _matmul_rate(torch.float32),
         "bf16": _matmul_rate(torch.bfloat16),
         "fp16": _matmul_rate(torch.float16, shapes=((256, 256, 256),)),  # slow on CPUs; unused here
+        "attention": {d: _attention_rate(getattr(torch, t)) for d, t in _DTYPES.items()},
         "memory": (memory := _elementwise_rate()),
         "transcendental": _transcendental_cost(memory),
         "op": _op_cost(),
@@ -117,6 +119,34 @@ def _matmul_rate(dtype, shapes=((512, 256, 1024), (512, 1024, 256))) -> float:
         ):
             flops += 2 * t * k * n
             seconds += _best(lambda a=a, b=b: torch.mm(a, b))
+    return flops / seconds
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _attention_rate(dtype, shapes=((4, 4, 128, 64), (4, 8, 256, 64))) -> float:
+    """FLOP/s of a fused causal attention (sdpa: the CPU's flash kernel) forward and backward, at
+    [batch, heads, seq, head_dim] shapes, counted as the planner counts them (4 seq^2 head_dim
+    FLOPs a head forward, the backward 2.5 forwards) over their total time. On this VM it runs at
+    the fp32 matmul rate in fp32 and in bf16 at a fifth of the bf16 matmul rate (the kernel
+    accumulates in fp32), and by shape: 34-77 GFLOP/s in bf16 from sequence 128 to 256."""
+    import torch
+    import torch.nn.functional as F
+    from smp.planner.stage_work import FUSED_ATTENTION_BACKWARD
+
+    flops = seconds = 0.0
+    for batch, heads, seq, head_dim in shapes:
+        q, k, v = (
+            torch.randn(batch, heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
+        grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype)
+
+        def step(q=q, k=k, v=v, grad=grad):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        flops += (1 + FUSED_ATTENTION_BACKWARD) * 4 * batch * heads * seq * seq * head_dim
+        seconds += _best(step)
     return flops / seconds
 
 
@@ -220,7 +250,10 @@ def describe(ranks: list[dict], best: bool = False) -> dict:
     return {
         "description": f"CPU process, 1 thread ({_cpu_name()}), 2 processes on one host; measured by "
         "benchmarks/plan_step_time.py",
-        "peak_tflops": {d: mean(d) / 1e12 for d in ("bf16", "fp16", "fp32")},
+        "peak_tflops": {d: mean(d) / 1e12 for d in _DTYPES},
+        "attention_tflops": {
+            d: (max if best else statistics.mean)(r["attention"][d] for r in ranks) / 1e12 for d in _DTYPES
+        },
         "matmul_efficiency": 1.0,
         "compute_units": 1,
         "matmul_tiles": [[1, 1]],

@@ -66,6 +66,10 @@ def test_a_users_file_round_trips(tmp_path):
     assert hardware.from_dict(loaded.to_json(), "again") == loaded.__class__(
         **{**loaded.__dict__, "name": "again"}
     )
+    rated = hardware.from_dict({**mine, "attention_tflops": {"bf16": 1, "fp16": 1, "fp32": 0.5}}, "cpu")
+    assert rated.attention_peak("fp32") == 0.5e12 * rated.sustained_fraction
+    assert hardware.from_dict(rated.to_json(), "cpu") == rated
+    assert "attention_tflops" not in loaded.to_json()  # optional: absent, the matmul rate
 
 
 @pytest.mark.parametrize(
@@ -105,6 +109,10 @@ def _file(tmp_path, **changes) -> str:
         (
             {"peak_tflops": {"bf16": 312}},
             "peak_tflops must give a positive number for each of bf16, fp16, fp32",
+        ),
+        (
+            {"attention_tflops": {"bf16": 0.06, "fp32": 0.07}},
+            "attention_tflops must give a positive number for each of bf16, fp16, fp32",
         ),
         ({"link_efficiency": 1.5}, "link_efficiency must be a fraction in (0, 1], got 1.5"),
         ({"gpus_per_node": 0}, "gpus_per_node must be a positive integer, got 0"),

@@ -104,6 +104,22 @@ def test_a_step_by_hand_fp32_one_gpu():
     assert t.mfu == pytest.approx(t.model_flops / t.total / 10e12)
 
 
+def test_fused_attention_runs_at_the_hardwares_attention_rate():
+    """Where the hardware gives a fused-attention rate (a CPU's flash kernel accumulates in fp32:
+    in bf16 it runs far below the bf16 matmuls), the attention's FLOPs, forward and backward (3.5
+    forwards), run at it; the other matmuls keep the matmul rate. Without it: the matmul rate."""
+    attention = 3.5 * 2 * 2 * SEQ * SEQ * (H // HEADS) * HEADS * BATCH * LAYERS
+    plain = _step(Layout())
+    for dtype, layout in (("fp32", Layout()), ("bf16", Layout(bf16=True))):
+        rates = {"bf16": 100, "fp16": 100, "fp32": 10} | {dtype: 2.5}
+        slow = _step(layout, hw={**FAST_MEMORY, "attention_tflops": rates})
+        default = _step(layout)
+        peak = 10e12 if dtype == "fp32" else 100e12
+        assert slow.matmul - default.matmul == pytest.approx(attention / 2.5e12 - attention / peak)
+    same = _step(Layout(), hw={**FAST_MEMORY, "attention_tflops": {"bf16": 100, "fp16": 100, "fp32": 10}})
+    assert same.matmul == pytest.approx(plain.matmul)
+
+
 def test_checkpointing_runs_the_layers_forward_once_more():
     plain, each = _step(Layout()), _step(Layout(checkpointing="each"))
     assert each.matmul == pytest.approx(_matmul_flops(checkpointed=True) / 10e12)
@@ -113,13 +129,26 @@ def test_checkpointing_runs_the_layers_forward_once_more():
 def test_tensor_parallel_collectives_by_hand():
     """Per layer two all-reduces forward, two backward (two more recomputed), plus the embedding's
     output and the head's input gradient: [T, h] fp32 all-reduced over 2 at 100 GB/s, no latency:
-    2 x (1/2) x bytes / 100 GB/s each; and the logits, leaving the model whole: [T, V] fp32
-    all-gathered, (1/2) x bytes / 100 GB/s."""
-    one = BATCH * SEQ * H * 4 / 100e9
-    logits = 0.5 * BATCH * SEQ * TINY["vocab_size"] * 4 / 100e9
-    assert _step(Layout(tp=2), gpus=2).tp_comm == pytest.approx((4 * LAYERS + 2) * one + logits)
+    2 x (1/2) x bytes / 100 GB/s each; the logits, leaving the model whole: [T, V] fp32
+    all-gathered, (1/2) x bytes / 100 GB/s; the inputs brought together (ids and labels, int64
+    all-gathered: 2 x (1/2) x 8 T bytes) and the vocabulary-parallel loss's all-reduces (the
+    maximum, then the exponentials' sum with the target logit: 2 x 2 x (1/2) x 4 T bytes)."""
+    tokens = BATCH * SEQ
+    one = tokens * H * 4 / 100e9
+    logits = 0.5 * tokens * TINY["vocab_size"] * 4 / 100e9
+    small = (2 * 0.5 * 8 * tokens + 2 * 4 * tokens) / 100e9
+    assert _step(Layout(tp=2), gpus=2).tp_comm == pytest.approx((4 * LAYERS + 2) * one + logits + small)
     checkpointed = _step(Layout(tp=2, checkpointing="each"), gpus=2)
-    assert checkpointed.tp_comm == pytest.approx((6 * LAYERS + 2) * one + logits)
+    assert checkpointed.tp_comm == pytest.approx((6 * LAYERS + 2) * one + logits + small)
+    # With a collective's latency of 1 ms: each all-reduce pays it, each all-gather (one ring
+    # phase) half; under prescaled_batch the tp ranks read the same batch: no input gathers.
+    latency = {**FAST_MEMORY, "collective_latency_us": 1000}
+    added = _step(Layout(tp=2), gpus=2, hw=latency).tp_comm - _step(Layout(tp=2), gpus=2).tp_comm
+    assert added == pytest.approx((4 * LAYERS + 2 + 2) * 1e-3 + (1 + 2) * 0.5e-3)
+    prescaled = Layout(tp=2, prescaled_batch=True)
+    assert _step(Layout(tp=2), gpus=2, hw=latency).tp_comm - _step(prescaled, gpus=2, hw=latency).tp_comm == (
+        pytest.approx(2 * (0.5e-3 + 0.5 * 8 * tokens / 100e9))
+    )
 
 
 def test_bubble_from_the_timeline_and_megatrons_interleaving():

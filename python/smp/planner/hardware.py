@@ -49,10 +49,22 @@ class Hardware:
     # costs beyond its memory traffic: a CPU core computes them at a few ns an element; a GPU's
     # special-function units keep them memory-bound (0: not counted). Optional in a file.
     transcendental_ns: float = 0.0
+    # TFLOP/s a fused attention kernel (sdpa's flash or efficient one) sustains per dtype, forward
+    # and backward together (FlashAttention's count: the backward 2.5 forwards). None: the matmul
+    # rate (`peak`), as a GPU's flash kernels run near it. A CPU's flash kernel accumulates in fp32
+    # whatever the dtype: in bf16 it runs at a fifth or less of a CPU's bf16 matmuls. Optional in
+    # a file.
+    attention_tflops: Mapping[str, float] | None = None
 
     def peak(self, dtype: str) -> float:
         """FLOP/s a large matmul sustains in a training step in `dtype` (bf16, fp16, fp32)."""
         return self.peak_tflops[dtype] * 1e12 * self.matmul_efficiency * self.sustained_fraction
+
+    def attention_peak(self, dtype: str) -> float:
+        """FLOP/s a fused attention kernel sustains in a training step in `dtype`."""
+        if self.attention_tflops is None:
+            return self.peak(dtype)
+        return self.attention_tflops[dtype] * 1e12 * self.sustained_fraction
 
     def memory_rate(self) -> float:
         """Bytes per second memory-bound kernels sustain in a training step."""
@@ -62,10 +74,14 @@ class Hardware:
         out = dataclasses.asdict(self)
         out["matmul_tiles"] = [list(t) for t in self.matmul_tiles]
         out["peak_tflops"] = dict(self.peak_tflops)
+        if self.attention_tflops is None:
+            del out["attention_tflops"]
+        else:
+            out["attention_tflops"] = dict(self.attention_tflops)
         return out
 
 
-_OPTIONAL = ("transcendental_ns",)
+_OPTIONAL = ("transcendental_ns", "attention_tflops")
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
 _FIXES = {
     "peak_tflops": '{"bf16": 312, "fp16": 312, "fp32": 19.5}',
@@ -120,12 +136,9 @@ def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:
             f"smp.plan: {source} is missing the field '{missing[0]}'; add \"{missing[0]}\": {example} "
             "(docs/planner.md, 'Hardware', lists every field and its unit)"
         )
-    peak = data["peak_tflops"]
-    if not isinstance(peak, Mapping) or any(not _positive_number(peak.get(d)) for d in DTYPES):
-        raise ValueError(
-            f"smp.plan: {source}: peak_tflops must give a positive number for each of {', '.join(DTYPES)}, "
-            f"got {peak!r}; write e.g. {_FIXES['peak_tflops']}"
-        )
+    peak = _per_dtype(source, "peak_tflops", data["peak_tflops"])
+    attention = data.get("attention_tflops")
+    attention = None if attention is None else _per_dtype(source, "attention_tflops", attention)
     numbers = {k: _number(source, k, data[k]) for k in _FIELDS if k not in _NOT_NUMBERS and k in data}
     for k in ("matmul_efficiency", "memory_efficiency", "link_efficiency", "sustained_fraction"):
         if not 0 < numbers[k] <= 1:
@@ -133,7 +146,7 @@ def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:
     return Hardware(
         name=name,
         description=str(data["description"]),
-        peak_tflops={d: float(peak[d]) for d in DTYPES},
+        peak_tflops=peak,
         matmul_efficiency=numbers["matmul_efficiency"],
         compute_units=_count(source, "compute_units", data["compute_units"]),
         matmul_tiles=_tiles(source, data["matmul_tiles"]),
@@ -152,12 +165,23 @@ def from_dict(data: Mapping[str, Any], name: str, where: str = "") -> Hardware:
         overlap=_flag(source, data["overlap"]),
         sources=str(data.get("sources", "")),
         transcendental_ns=numbers.get("transcendental_ns", 0.0),
+        attention_tflops=attention,
     )
+
+
+def _per_dtype(source: str, key: str, value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping) or any(not _positive_number(value.get(d)) for d in DTYPES):
+        raise ValueError(
+            f"smp.plan: {source}: {key} must give a positive number for each of {', '.join(DTYPES)}, "
+            f"got {value!r}; write e.g. {_FIXES['peak_tflops']}"
+        )
+    return {d: float(value[d]) for d in DTYPES}
 
 
 _NOT_NUMBERS = (
     "description",
     "peak_tflops",
+    "attention_tflops",
     "compute_units",
     "matmul_tiles",
     "memory",

@@ -37,6 +37,12 @@ class RuntimeCosts:
     # The logits leave the model whole (gathered over tp and cp for the script, as smp returns a
     # model's outputs); Megatron's loss reads its vocabulary-parallel logits where they are.
     gathers_logits: bool = True
+    # Under tp, collectives bringing the tp group's inputs together per microbatch (smp: one
+    # all-gather per input tensor, a causal LM's ids and labels; Megatron's broadcast_data: the
+    # sizes, then the data), and the vocabulary-parallel cross-entropy's all-reduces (smp: the
+    # maximum, then the sum of exponentials and the target logit together; Megatron SC'21: three).
+    input_collectives: int = 2
+    loss_all_reduces: int = 2
 
     def accumulate(self, half: bool) -> float:
         return self.accumulate_half if half else self.accumulate_fp32
@@ -75,6 +81,7 @@ _MEGATRON = dict(
     optimizer_fp32=28,
     scatter_gather=True,
     gathers_logits=False,
+    loss_all_reduces=3,
 )
 # --DDP-impl local: the fp16 gradient buffer all-reduced once the backward is done.
 MEGATRON_LOCAL_DDP = RuntimeCosts(name="megatron-lm (local DDP)", overlapped_average=False, **_MEGATRON)

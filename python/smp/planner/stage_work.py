@@ -6,7 +6,8 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   [k, T] x [T, n] (T = the microbatch's tokens). Attention's scores and context are batched
   matmuls per head: eager attention writes and reads the [seq, seq] scores through memory (the
   roofline makes them memory-bound), fused attention (sdpa / flash) keeps them on chip, and its
-  backward computes the scores again (2.5 forwards of matmuls, as FlashAttention's).
+  backward computes the scores again (2.5 forwards of matmuls, as FlashAttention's), all at the
+  hardware's fused-attention rate (`attention_tflops`; by default its matmul rate).
 - Memory-bound kernels (norms, activations, softmax, dropout, residual adds): a module's layer
   has its forward's elementwise bytes measured (measured_facts.py: every operation's inputs and
   outputs, views and matmuls left out); a config's are estimated from what autograd saves
@@ -35,7 +36,9 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   expert_costs.py's.
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
   gradient twice backward (attention and MLP), and the embedding's output and the head's input
-  gradient once each; nothing overlaps them.
+  gradient once each; it brings the tp group's inputs together on the first stage, and the
+  vocabulary-parallel loss all-reduces its maximum and sums on the last (latency-bound: a few
+  bytes a token); nothing overlaps them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from smp.planner.hardware import Hardware
 from smp.planner.layout import Layout
 from smp.planner.memory import Workload, compute_bytes, held
 from smp.planner.model_facts import ModelFacts
+from smp.planner.runtime_costs import SMP, RuntimeCosts
 
 BACKWARD_OPS = 1.6  # backward ATen operations per forward one (HF GPT-2: 1.76, Llama: 1.77)
 FORWARD_TRAFFIC, BACKWARD_TRAFFIC = 2.0, 3.0  # memory traffic per byte autograd saves
@@ -96,7 +100,7 @@ def rank_work(
     hw: Hardware,
     rank: int,
     mb: int,
-    gathers_logits: bool = True,
+    runtime: RuntimeCosts = SMP,
 ) -> RankWork:
     layers, first, last = held(layout, rank, facts.layers)
     fwd_layer, bwd_layer = _layer(facts, layout, workload, hw, mb)
@@ -109,19 +113,47 @@ def rank_work(
     tp_group = kernels.Group(layout.tp, 1)
     tp_one = kernels.all_reduce(hw, boundary, tp_group, workload.gpus_per_node, workload.gpus)
     if first:
-        forward = forward + Pass(tp_comm=tp_one) + _saved_traffic(facts.saved_before, layout, hw, mb)
+        forward = forward + Pass(tp_comm=tp_one + _input_gathers(layout, workload, hw, runtime, tokens))
+        forward = forward + _saved_traffic(facts.saved_before, layout, hw, mb)
         backward = backward + _saved_traffic(facts.saved_before, layout, hw, mb, backward=True)
     if last:
         head_f, head_b = _head(facts, layout, hw, tokens)
         # The loss's exp and log over the logits (vocabulary-parallel under TP), forward and backward.
         loss = kernels.transcendental(hw, facts.head_transcendental * mb / (layout.tp * layout.cp))
         head_f = head_f + Pass(memory=loss)
-        if gathers_logits:
+        head_f = head_f + Pass(tp_comm=_loss_all_reduces(layout, workload, hw, runtime, tokens))
+        if runtime.gathers_logits:
             head_f = head_f + _logits_out(facts, layout, workload, hw, mb)
         forward = forward + head_f + _saved_traffic(facts.saved_after, layout, hw, mb)
         backward = backward + head_b + Pass(tp_comm=tp_one)
         backward = backward + _saved_traffic(facts.saved_after, layout, hw, mb, backward=True)
     return RankWork(rank, forward, backward)
+
+
+def _input_gathers(
+    layout: Layout, workload: Workload, hw: Hardware, runtime: RuntimeCosts, tokens: int
+) -> float:
+    """The tp group's inputs brought together (smp: each input tensor all-gathered, SMP v1's
+    combined batch; Megatron: broadcast from tp rank 0): the tokens' int64 ids, latency-bound.
+    Under prescaled_batch the tp ranks read the same batch: nothing to bring together."""
+    if layout.tp == 1 or layout.prescaled_batch:
+        return 0.0
+    group = kernels.Group(layout.tp, 1)
+    one = kernels.all_gather(hw, tokens * 8, group, workload.gpus_per_node, workload.gpus)
+    return runtime.input_collectives * one
+
+
+def _loss_all_reduces(
+    layout: Layout, workload: Workload, hw: Hardware, runtime: RuntimeCosts, tokens: int
+) -> float:
+    """The vocabulary-parallel cross-entropy's all-reduces over the tp group: the logits' maximum,
+    the sum of their exponentials and the target's logit, a float per token each (smp joins the
+    last two into one all-reduce)."""
+    if layout.tp == 1:
+        return 0.0
+    group = kernels.Group(layout.tp, 1)
+    one = kernels.all_reduce(hw, tokens * 4, group, workload.gpus_per_node, workload.gpus)
+    return runtime.loss_all_reduces * one
 
 
 def _logits_out(facts: ModelFacts, layout: Layout, workload: Workload, hw: Hardware, mb: int) -> Pass:
@@ -197,9 +229,10 @@ def attention(
         scores = kernels.matmul(hw, dtype, rows, seq, head_dim, batch)
         context = kernels.matmul(hw, dtype, rows, head_dim, seq, batch)
         return scores + context, 2 * (scores + context)
-    # Fused: the matmuls' FLOPs at the matmul rate, the scores never leave the chip.
+    # Fused: the matmuls' FLOPs at the fused kernel's rate (a GPU's: its matmul rate), the scores
+    # never leave the chip.
     flops = 2 * 2.0 * rows * seq * head_dim * batch
-    fused = flops / (hw.peak(dtype) * kernels.wave_efficiency(hw, rows, head_dim, batch))
+    fused = flops / (hw.attention_peak(dtype) * kernels.wave_efficiency(hw, rows, head_dim, batch))
     return fused, FUSED_ATTENTION_BACKWARD * fused
 
 

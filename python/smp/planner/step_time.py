@@ -133,7 +133,7 @@ def hardware_of(workload: Workload) -> Hardware:
 def estimate(facts: ModelFacts, layout: Layout, workload: Workload, runtime: RuntimeCosts = SMP) -> StepTime:
     hw = hardware_of(workload)
     mb = microbatch_size(layout, workload)
-    works = [rank_work(facts, layout, workload, hw, r, mb, runtime.gathers_logits) for r in range(layout.pp)]
+    works = [rank_work(facts, layout, workload, hw, r, mb, runtime) for r in range(layout.pp)]
     busiest = max(works, key=lambda w: w.total + _accumulate(facts, layout, hw, runtime, w.rank))
     accumulate = _accumulate(facts, layout, hw, runtime, busiest.rank)
     m = layout.microbatches
