@@ -36,7 +36,7 @@ memory-bound kernels and its tensor-parallel collectives, forward and backward.
   expert_costs.py's.
 - Tensor parallelism all-reduces the layer's [T, hidden] output twice forward and its input
   gradient twice backward (attention and MLP), and the embedding's output and the head's input
-  gradient once each; it brings the tp group's inputs together on the first stage, and the
+  gradient once each; it brings the tp group's inputs together on every stage, and the
   vocabulary-parallel loss all-reduces its maximum and sums on the last (latency-bound: a few
   bytes a token); nothing overlaps them.
 """
@@ -112,9 +112,9 @@ def rank_work(
     boundary = tokens * facts.hidden * compute_bytes(layout)
     tp_group = kernels.Group(layout.tp, 1)
     tp_one = kernels.all_reduce(hw, boundary, tp_group, workload.gpus_per_node, workload.gpus)
+    forward = forward + Pass(tp_comm=_input_gathers(layout, workload, hw, runtime, tokens))
     if first:
-        forward = forward + Pass(tp_comm=tp_one + _input_gathers(layout, workload, hw, runtime, tokens))
-        forward = forward + _saved_traffic(facts.saved_before, layout, hw, mb)
+        forward = forward + Pass(tp_comm=tp_one) + _saved_traffic(facts.saved_before, layout, hw, mb)
         backward = backward + _saved_traffic(facts.saved_before, layout, hw, mb, backward=True)
     if last:
         head_f, head_b = _head(facts, layout, hw, tokens)
@@ -133,8 +133,9 @@ def rank_work(
 def _input_gathers(
     layout: Layout, workload: Workload, hw: Hardware, runtime: RuntimeCosts, tokens: int
 ) -> float:
-    """The tp group's inputs brought together (smp: each input tensor all-gathered, SMP v1's
-    combined batch; Megatron: broadcast from tp rank 0): the tokens' int64 ids, latency-bound.
+    """The tp group's inputs brought together on every stage (smp: each input tensor all-gathered
+    into SMP v1's combined batch, every stage running with the step's inputs; Megatron: broadcast
+    from tp rank 0 on the stages that read the batch): the tokens' int64 ids, latency-bound.
     Under prescaled_batch the tp ranks read the same batch: nothing to bring together."""
     if layout.tp == 1 or layout.prescaled_batch:
         return 0.0
