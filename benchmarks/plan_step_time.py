@@ -128,9 +128,9 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def _attention_rate(dtype, shapes=((4, 4, 128, 64), (4, 8, 256, 64))) -> float:
     """FLOP/s of a fused causal attention (sdpa: the CPU's flash kernel) forward and backward, at
     [batch, heads, seq, head_dim] shapes, counted as the planner counts them (4 seq^2 head_dim
-    FLOPs a head forward, the backward 2.5 forwards) over their total time. On this VM it runs at
-    the fp32 matmul rate in fp32 and in bf16 at a fifth of the bf16 matmul rate (the kernel
-    accumulates in fp32), and by shape: 34-77 GFLOP/s in bf16 from sequence 128 to 256."""
+    FLOPs a head forward, the backward 2.5 forwards) over their total time. On 2026-12-08's VM
+    it ran at 0.74 of the fp32 matmul rate in fp32 and at 0.14 of the bf16 one in bf16 (the
+    kernel accumulates in fp32), and by shape: 34-77 GFLOP/s in bf16 from sequence 128 to 256."""
     import torch
     import torch.nn.functional as F
     from smp.planner.stage_work import FUSED_ATTENTION_BACKWARD
