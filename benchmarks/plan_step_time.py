@@ -81,7 +81,11 @@ def facts() -> dict:
         "fp32": _matmul_rate(torch.float32),
         "bf16": _matmul_rate(torch.bfloat16),
         "fp16": _matmul_rate(torch.float16, shapes=((256, 256, 256),)),  # slow on CPUs; unused here
-        "attention": {d: _attention_rate(getattr(torch, t)) for d, t in _DTYPES.items()},
+        "attention": {
+            "fp32": _attention_rate(torch.float32),
+            "bf16": _attention_rate(torch.bfloat16),
+            "fp16": _attention_rate(torch.float16, shapes=((4, 4, 128, 64),)),  # as its matmuls: unused
+        },
         "memory": (memory := _elementwise_rate()),
         "transcendental": _transcendental_cost(memory),
         "op": _op_cost(),
